@@ -1,0 +1,41 @@
+"""pytest-exportobs: export-readiness testing of PyTorch models from the calls your tests make.
+
+The public names are resolved lazily so that loading the pytest plugin imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "InputObserver": "observer",
+    "Observation": "observer",
+    "string_type": "strings",
+    "register_flattening_functions": "pytrees",
+    "make_dynamic_cache": "pytrees",
+    "make_encoder_decoder_cache": "pytrees",
+    "make_static_cache": "pytrees",
+    "ModelInputs": "inputs",
+    "all_dynamic_shape_from_inputs": "inputs",
+    "all_dynamic_shapes_from_inputs": "inputs",
+    "ShapeModel": "shapes",
+    "get_untrained_model_with_inputs": "untrained",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pytest_exportobs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

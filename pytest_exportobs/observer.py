@@ -1,0 +1,272 @@
+"""Record the inputs and eager outputs of a module's method while ordinary code calls it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree
+
+from .alignment import AlignedCalls, align_calls
+
+
+@dataclass
+class Observation:
+    """One distinct call signature seen by an :class:`InputObserver`.
+
+    ``args``/``kwargs`` are detached clones taken before the call (models update caches in
+    place); ``outputs`` are the flattened eager outputs.  ``calls`` counts the calls that
+    had the same flattened shape signature and therefore stored no extra copy.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: list[torch.Tensor | None]
+    latency: float
+    calls: int = 1
+    source: str = ""
+    instance: int = 0
+    weights_version: int = 0
+
+
+@dataclass
+class CallCounts:
+    """How many calls were recorded, merged into an existing signature, or not stored."""
+
+    stored: int = 0
+    duplicates: int = 0
+    dropped: int = 0
+
+
+def flattening_context() -> contextlib.AbstractContextManager:
+    """Pytree registration of transformers caches, only when transformers is already imported.
+
+    A model holding transformers caches implies transformers was imported; other models do not
+    pay for importing it.
+    """
+    if "transformers" not in sys.modules:
+        return contextlib.nullcontext()
+    from .pytrees import register_flattening_functions
+
+    return register_flattening_functions()
+
+
+def detached_clone(tree: Any) -> Any:
+    """Deep copy of every tensor of a pytree, detached from autograd."""
+    return _pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
+
+
+def call_signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """A hashable key that is equal for two calls iff they flatten to the same shapes and constants."""
+    leaves, spec = _pytree.tree_flatten((args, kwargs))
+    return (
+        str(spec),
+        tuple(
+            (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else (type(t), repr(t))
+            for t in leaves
+        ),
+    )
+
+
+def weights_version(module: torch.nn.Module) -> int:
+    """Sum of the in-place version counters of parameters and buffers: changes when weights do."""
+    return sum(t._version for t in (*module.parameters(), *module.buffers()))
+
+
+class InputObserver:
+    """Steals a method of a module to record its inputs and outputs.
+
+    >>> observer = InputObserver()
+    >>> with observer(model):
+    ...     model(x1, y1)
+    ...     model(x2, y2)
+    >>> torch.export.export(model, observer.infer_arguments(),
+    ...                     dynamic_shapes=observer.infer_dynamic_shapes())
+
+    ``value_if_missing`` gives, by argument name or position, the value to assume for an
+    argument absent from some calls (e.g. ``pixel_values`` after the prefill step); it is
+    only used to infer shapes and arguments, never to run the model.
+    """
+
+    def __init__(self, value_if_missing: dict[str | int, Any] | None = None):
+        self.value_if_missing: dict[str | int, Any] = dict(value_if_missing or {})
+        self.observations: list[Observation] = []
+        self.counts = CallCounts()
+        self.signature: inspect.Signature | None = None
+        self.source = ""
+        self._by_key: dict[tuple, Observation] = {}
+
+    def num_obs(self) -> int:
+        """Number of stored (distinct) observations."""
+        return len(self.observations)
+
+    @contextlib.contextmanager
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        store_n_calls: int = 3,
+        method_name: str = "forward",
+    ) -> Iterator[InputObserver]:
+        """Record the calls of ``model.<method_name>`` made inside the ``with`` block.
+
+        At most ``store_n_calls`` new distinct call signatures are stored per block; the
+        original method is restored on exit, whatever happens inside.
+        """
+        if not isinstance(store_n_calls, int) or store_n_calls < 0:
+            raise ValueError(f"store_n_calls must be a non-negative int, got {store_n_calls!r}")
+        method = getattr(model, method_name, None)
+        if not callable(method):
+            raise ValueError(f"{type(model).__name__} has no method {method_name!r} to observe")
+        signature = inspect.signature(method)
+        self._check_signature(signature)
+        limit = len(self.observations) + store_n_calls
+        had_instance_attr = method_name in vars(model)
+        wrapper = self._make_wrapper(model, method, signature, limit)
+        setattr(model, method_name, wrapper)
+        try:
+            yield self
+        finally:
+            if had_instance_attr:
+                setattr(model, method_name, method)
+            else:
+                delattr(model, method_name)
+
+    def _check_signature(self, signature: inspect.Signature) -> None:
+        if self.signature is not None and list(self.signature.parameters) != list(signature.parameters):
+            raise ValueError(
+                f"this observer already recorded a method with parameters "
+                f"{list(self.signature.parameters)}, now asked to observe {list(signature.parameters)}"
+            )
+        names = list(signature.parameters)
+        accepts_var_keyword = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+        )
+        for key in self.value_if_missing:
+            if isinstance(key, int) and not 0 <= key < len(names):
+                raise ValueError(
+                    f"value_if_missing key {key} is no position of the signature {tuple(names)}"
+                )
+            if isinstance(key, str) and key not in names and not accepts_var_keyword:
+                raise ValueError(
+                    f"value_if_missing key {key!r} is not an argument of the signature {tuple(names)}"
+                )
+            if not isinstance(key, (int, str)):
+                raise TypeError(f"value_if_missing keys are names or positions, got {key!r}")
+        self.signature = signature
+
+    def _make_wrapper(
+        self, model: torch.nn.Module, method: Callable, signature: inspect.Signature, limit: int
+    ) -> Callable:
+        @functools.wraps(method)
+        def observed(*args: Any, **kwargs: Any) -> Any:
+            with flattening_context():
+                key = call_signature(args, kwargs)
+                known = self._by_key.get(key)
+                if known is not None or len(self.observations) >= limit:
+                    self._count_unstored(known)
+                    return method(*args, **kwargs)
+                inputs = detached_clone((args, self._ordered(kwargs)))
+                begin = time.perf_counter()
+                outputs = method(*args, **kwargs)
+                latency = time.perf_counter() - begin
+                flat_outputs = _pytree.tree_leaves(outputs)
+                self._store(
+                    key,
+                    Observation(
+                        args=inputs[0],
+                        kwargs=inputs[1],
+                        outputs=[
+                            t.detach().clone() if isinstance(t, torch.Tensor) else None
+                            for t in flat_outputs
+                        ],
+                        latency=latency,
+                        source=self.source,
+                        instance=id(model),
+                        weights_version=weights_version(model),
+                    ),
+                )
+                return outputs
+
+        observed.__signature__ = signature  # type: ignore[attr-defined]
+        return observed
+
+    def _count_unstored(self, known: Observation | None) -> None:
+        if known is None:
+            self.counts.dropped += 1
+        else:
+            known.calls += 1
+            self.counts.duplicates += 1
+
+    def _store(self, key: tuple, observation: Observation) -> None:
+        self._by_key[key] = observation
+        self.observations.append(observation)
+        self.counts.stored += 1
+
+    def _ordered(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments in signature order (torch.export matches them by order)."""
+        assert self.signature is not None
+        names = [n for n in self.signature.parameters if n in kwargs]
+        return {**{n: kwargs[n] for n in names}, **kwargs}
+
+    def aligned(self) -> AlignedCalls:
+        """The stored observations aligned on one input structure (see :mod:`.alignment`)."""
+        if not self.observations or self.signature is None:
+            raise ValueError("no call was recorded: call the model inside `with observer(model):`")
+        with flattening_context():
+            return align_calls(
+                [(o.args, o.kwargs) for o in self.observations], self.signature, self.value_if_missing
+            )
+
+    def infer_dynamic_shapes(
+        self,
+        set_batch_dimension_for: bool | set[int | str] | None = None,
+        dim_names: bool | dict[str, str] | None = None,
+    ) -> tuple[Any, ...] | dict[str, Any]:
+        """Dynamic shapes for ``torch.export.export`` inferred from the recorded calls.
+
+        By default every dimension that varies across calls is ``Dim.DYNAMIC`` (the seed form).
+        ``set_batch_dimension_for`` forces the first dimension of the given inputs (all with
+        ``True``) to be dynamic. ``dim_names=True`` names the dimensions with their relations
+        (one symbol for a shared batch, ...), a dict overrides names.
+        """
+        from .shapes import ShapeModel
+
+        aligned = self.aligned()
+        model = ShapeModel.from_aligned(aligned, set_batch_dimension_for, dim_names)
+        with flattening_context():
+            if dim_names:
+                return model.to_dynamic_shapes(named=True)
+            return model.to_dynamic_shapes()
+
+    def infer_arguments(self, index: int | None = None) -> tuple[Any, ...] | dict[str, Any]:
+        """Arguments for ``torch.export.export``: one recorded call, in the structure of the
+        richest call, absent optional inputs replaced by empty tensors.
+
+        ``index`` selects a recorded call; by default the first one that has every input.
+        """
+        aligned = self.aligned()
+        if index is not None and not -len(self.observations) <= index < len(self.observations):
+            raise IndexError(f"index {index} out of range: {len(self.observations)} recorded calls")
+        with flattening_context():
+            return aligned.arguments(aligned.complete_call() if index is None else index % aligned.n_calls)
+
+    def check_discrepancies(
+        self, onnx_model_or_path: Any, atol: float = 1e-4, rtol: float = 0.1
+    ) -> list[dict[str, Any]]:
+        """Run the ONNX model on every recorded call and compare with the eager outputs.
+
+        One row per observation: ``index``, ``SUCCESS``, ``abs``, ``rel``, ``n``.
+        """
+        from .verify import Tolerance, discrepancy_rows
+
+        return discrepancy_rows(
+            onnx_model_or_path, self.aligned(), [o.outputs for o in self.observations],
+            Tolerance(atol=atol, rtol=rtol),
+        )

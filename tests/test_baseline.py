@@ -1,0 +1,408 @@
+"""The baseline file and the gate rules; pure Python, no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pytest_exportobs.baseline import Baseline, BaselineEntry, BaselineError, GateEntry, gate
+from pytest_exportobs.results import ModelResult
+
+HINT = "run with --export-baseline-update to record it"
+LM_DIMS = {"input_ids": {"0": "batch", "1": "seq"}}
+VIT_DIMS = {"pixel_values": {"0": "batch", "2": "height", "3": "width"}}
+
+
+def result(name: str, verdict: str = "passed", **fields) -> ModelResult:
+    return ModelResult(name, verdict, **fields)
+
+
+def baseline(*results: ModelResult) -> Baseline:
+    return Baseline.from_results(results)
+
+
+# -- gate without a baseline ------------------------------------------------------------
+
+
+def test_without_baseline_each_verdict_decides():
+    results = [
+        result("lm", dims=LM_DIMS),
+        result("vit", "failed", stage="torch.export"),
+        result("crashed", "incomplete", stage="ort-load"),
+        result("idle", "skipped", reason="no observation"),
+    ]
+    g = gate(None, results, strict=True)
+    assert g.entries == [
+        GateEntry("crashed", "failed", "incomplete at ort-load"),
+        GateEntry("idle", "skipped", "no observation"),
+        GateEntry("lm", "passed"),
+        GateEntry("vit", "failed", "failed at torch.export"),
+    ]
+    assert g.failed
+    assert g.summary_line() == (
+        "exportobs gate: 2 failures (crashed: incomplete at ort-load; vit: failed at torch.export)"
+    )
+
+
+def test_without_baseline_all_passed():
+    g = gate(None, [result("lm"), result("idle", "skipped")], strict=False)
+    assert not g.failed
+    assert g.summary_line() == "exportobs gate: ok (1 passed, 1 skipped, no baseline)"
+
+
+# -- regressions ----------------------------------------------------------------------------
+
+
+def test_passed_then_failed_is_a_regression():
+    g = gate(baseline(result("lm")), [result("lm", "failed", stage="torch.export")], strict=False)
+    assert g.entries == [GateEntry("lm", "failed", "passed→failed at torch.export", regression=True)]
+    assert g.failed
+    assert g.summary_line() == "exportobs gate: 1 regression (lm: passed→failed at torch.export)"
+
+
+def test_dim_that_became_static_is_a_regression():
+    static_height = {"pixel_values": {"0": "batch", "3": "width"}}
+    g = gate(
+        baseline(result("lm", dims=LM_DIMS), result("vit", dims=VIT_DIMS)),
+        [result("lm", "failed", stage="torch.export", dims=LM_DIMS), result("vit", dims=static_height)],
+        strict=False,
+    )
+    assert [(e.outcome, e.regression) for e in g.entries] == [("failed", True), ("failed", True)]
+    assert g.summary_line() == (
+        "exportobs gate: 2 regressions "
+        "(lm: passed→failed at torch.export; vit: dim pixel_values.2 (height) became static)"
+    )
+
+
+def test_lost_dims_and_failure_are_reported_together():
+    old = baseline(result("lm", dims=LM_DIMS))
+    g = gate(old, [result("lm", "failed", stage="verify", kind="mismatch", dims={})], strict=False)
+    assert g.entries[0].message.split("; ") == [
+        "passed→failed at verify",
+        "dim input_ids.0 (batch) became static",
+        "dim input_ids.1 (seq) became static",
+    ]
+
+
+def test_dims_are_not_compared_when_the_check_stopped_before_inferring_them():
+    old = baseline(result("lm", "failed", stage="torch.export", dims=LM_DIMS))
+    g = gate(old, [result("lm", "failed", stage="infer")], strict=False)
+    moved = "failing stage moved: torch.export → infer"
+    assert g.entries == [GateEntry("lm", "xfailed", "known failure at infer", notes=[moved])]
+    assert not g.failed
+
+
+def test_a_known_failure_losing_a_dim_is_a_regression():
+    old = baseline(result("lm", "failed", stage="onnx-translate", dims=LM_DIMS))
+    now = result("lm", "failed", stage="onnx-translate", dims={"input_ids": {"0": "batch"}})
+    assert gate(old, [now], strict=False).entries == [
+        GateEntry("lm", "failed", "dim input_ids.1 (seq) became static", regression=True)
+    ]
+
+
+def test_max_abs_growth_within_tolerance_is_a_note():
+    old = baseline(result("lm", max_abs=3.1e-07, atol=1e-4))
+    g = gate(old, [result("lm", max_abs=2e-05, atol=1e-4)], strict=False)
+    grew = "max|Δ| grew 3.1e-07 → 2e-05, within tolerance"
+    assert g.entries == [GateEntry("lm", "passed", notes=[grew])]
+    assert not g.failed
+
+
+def test_max_abs_beyond_tolerance_is_a_regression():
+    old = baseline(result("lm", max_abs=3.1e-07, atol=1e-4))
+    now = result("lm", "failed", stage="verify", kind="mismatch", max_abs=0.5, atol=1e-4)
+    assert gate(old, [now], strict=False).summary_line() == (
+        "exportobs gate: 1 regression (lm: passed→failed at verify)"
+    )
+
+
+# -- known failures, fixed, missing, new ----------------------------------------------------------
+
+
+def test_known_failure_is_xfailed_and_the_gate_passes():
+    old = baseline(result("a"), result("b"), result("c"), result("lm", "failed", stage="torch.export"))
+    now = [result("a"), result("b"), result("c"), result("lm", "failed", stage="torch.export")]
+    g = gate(old, now, strict=True)
+    assert g.entries[-1] == GateEntry("lm", "xfailed", "known failure at torch.export")
+    assert not g.failed
+    assert g.summary_line() == "exportobs gate: ok (3 passed, 1 known failure, 0 regressions)"
+
+
+def test_incomplete_counts_as_failed():
+    old = baseline(result("lm", "incomplete", stage="ort-load"), result("vit"))
+    g = gate(old, [result("lm", "failed", stage="ort-load"), result("vit", "incomplete")], strict=False)
+    assert [(e.outcome, e.message) for e in g.entries] == [
+        ("xfailed", "known failure at ort-load"),
+        ("failed", "passed→incomplete"),
+    ]
+
+
+def test_fixed_model_is_xpassed_with_a_hint():
+    old = baseline(result("lm"), result("vit", "failed", stage="torch.export"))
+    g = gate(old, [result("lm"), result("vit")], strict=False)
+    fixed = "fixed: failed at torch.export in the baseline, passes now"
+    assert g.entries[1] == GateEntry("vit", "xpassed", fixed)
+    assert not g.failed
+    assert g.summary_line() == f"exportobs gate: ok (1 passed, 1 fixed, 0 regressions); fixed: vit — {HINT}"
+
+
+def test_fixed_model_fails_in_strict_mode():
+    old = baseline(result("vit", "failed", stage="torch.export"))
+    g = gate(old, [result("vit")], strict=True)
+    message = f"fixed: failed at torch.export in the baseline, passes now (strict) — {HINT}"
+    assert g.entries == [GateEntry("vit", "failed", message)]
+    assert g.failed
+    assert g.summary_line() == f"exportobs gate: 1 failure (vit: {message})"
+
+
+def test_several_fixed_models_are_named_together():
+    old = baseline(result("a", "failed"), result("b", "failed"))
+    assert gate(old, [result("a"), result("b")], strict=False).summary_line() == (
+        "exportobs gate: ok (0 passed, 2 fixed, 0 regressions); "
+        "fixed: a, b — run with --export-baseline-update to record them"
+    )
+
+
+def test_missing_model_is_reported_and_fails_in_strict_mode():
+    old = baseline(result("gone"), result("lm"))
+    g = gate(old, [result("lm")], strict=False)
+    assert g.entries[0] == GateEntry("gone", "missing", "in the baseline but not observed")
+    assert g.summary_line() == "exportobs gate: ok (1 passed, 1 missing, 0 regressions)"
+    strict = gate(old, [result("lm")], strict=True)
+    assert strict.failed
+    assert strict.summary_line() == (
+        "exportobs gate: 1 failure (gone: in the baseline but not observed (strict))"
+    )
+
+
+def test_model_absent_from_the_baseline_is_checked_on_its_own():
+    old = baseline(result("lm"))
+    g = gate(old, [result("lm"), result("new", "failed", stage="verify"), result("ok")], strict=False)
+    assert g.entries == [
+        GateEntry("lm", "passed"),
+        GateEntry("new", "failed", "failed at verify", notes=["not in the baseline"]),
+        GateEntry("ok", "passed", notes=["not in the baseline"]),
+    ]
+    assert g.failed
+    assert g.summary_line() == "exportobs gate: 1 failure (new: failed at verify)"
+
+
+def test_regressions_and_failures_in_one_line():
+    old = baseline(result("lm"), result("vit", "failed"))
+    now = [result("lm", "failed", stage="verify"), result("new", "failed"), result("vit")]
+    assert gate(old, now, strict=False).summary_line() == (
+        "exportobs gate: 1 regression (lm: passed→failed at verify), 1 failure (new: failed); "
+        f"fixed: vit — {HINT}"
+    )
+
+
+def test_skipped_model_is_skipped_whatever_the_baseline():
+    old = baseline(result("lm", "failed", stage="verify"))
+    g = gate(old, [result("lm", "skipped", reason="--export-target torch")], strict=True)
+    assert g.entries == [GateEntry("lm", "skipped", "--export-target torch")]
+    assert not g.failed
+
+
+# -- the file ---------------------------------------------------------------------------------
+
+
+def recorded() -> Baseline:
+    return baseline(
+        result("vit", "failed", stage="torch.export", kind="error", reason="boom", env={"torch": "2.9.0"}),
+        result(
+            "lm", dims=LM_DIMS, relations=["seq == past + 1"], max_abs=3.1e-07, atol=1e-4, rtol=0.1,
+            opset=18, op_counts={"MatMul": 2, "Add": 1}, stage="variations", env={"onnx": "1.19.0"},
+        ),
+    )
+
+
+EXPECTED_FILE = """\
+{
+  "env": {
+    "onnx": "1.19.0",
+    "torch": "2.9.0"
+  },
+  "models": {
+    "lm": {
+      "atol": 0.0001,
+      "dims": {
+        "input_ids": {
+          "0": "batch",
+          "1": "seq"
+        }
+      },
+      "max_abs": 3.1e-07,
+      "op_counts": {
+        "Add": 1,
+        "MatMul": 2
+      },
+      "opset": 18,
+      "relations": [
+        "seq == past + 1"
+      ],
+      "rtol": 0.1,
+      "stage": "",
+      "verdict": "passed"
+    },
+    "vit": {
+      "atol": null,
+      "dims": {},
+      "max_abs": null,
+      "op_counts": {},
+      "opset": null,
+      "relations": [],
+      "rtol": null,
+      "stage": "torch.export",
+      "verdict": "failed"
+    }
+  },
+  "schema_version": 1
+}
+"""
+
+
+def test_file_format_is_stable_sorted_and_versioned(tmp_path):
+    path = recorded().write(tmp_path / "baseline.json")
+    first = path.read_bytes()
+    assert first.decode() == EXPECTED_FILE
+    recorded().write(path)
+    assert path.read_bytes() == first
+
+
+def test_round_trip(tmp_path):
+    path = recorded().write(tmp_path / "deep" / "er" / "baseline.json")
+    assert Baseline.load(path) == recorded()
+    assert Baseline.load_optional(path) == recorded()
+
+
+def test_baseline_copies_what_it_keeps():
+    lm = result("lm", dims={"x": {"0": "batch"}})
+    kept = Baseline.from_results([lm])
+    lm.dims["x"]["1"] = "seq"
+    assert kept.models["lm"] == BaselineEntry("passed", dims={"x": {"0": "batch"}})
+
+
+def test_write_leaves_no_temporary_file(tmp_path):
+    recorded().write(tmp_path / "baseline.json")
+    recorded().write(tmp_path / "baseline.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["baseline.json"]
+
+
+def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = baseline(result("old")).write(tmp_path / "baseline.json")
+    before = path.read_bytes()
+
+    def refuse(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        recorded().write(path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["baseline.json"]
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.json"
+    assert Baseline.load_optional(path) is None
+    with pytest.raises(BaselineError) as info:
+        Baseline.load(path)
+    assert str(info.value) == f"{path}: cannot be read (No such file or directory)"
+
+
+def assert_refused(path: Path, problem: str) -> None:
+    """Loading fails with ``<path>: <problem>`` and leaves the file (and its directory) untouched."""
+    before, stat = path.read_bytes(), path.stat()
+    with pytest.raises(BaselineError) as info:
+        Baseline.load(path)
+    assert str(info.value) == f"{path}: {problem}"
+    assert isinstance(info.value, ValueError)
+    assert path.read_bytes() == before
+    assert path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+UNREADABLE = {
+    "not json": ("hello", "not valid JSON (Expecting value at line 1, column 1)"),
+    "truncated": (
+        EXPECTED_FILE[: len(EXPECTED_FILE) // 2],
+        "not valid JSON (Expecting value at line 22, column 7)",
+    ),
+    "top level": ("[]", "the top level must be an object, got []"),
+    "no version": ('{"models": {}}', "no schema_version (not an exportobs baseline?)"),
+    "future version": ('{"schema_version": 99}', "schema_version 99 is not supported (expected 1)"),
+    "version as text": ('{"schema_version": "1"}', 'schema_version "1" is not supported (expected 1)'),
+}
+
+
+@pytest.mark.parametrize("text, problem", UNREADABLE.values(), ids=UNREADABLE.keys())
+def test_unreadable_file(tmp_path, text, problem):
+    path = tmp_path / "baseline.json"
+    path.write_text(text)
+    assert_refused(path, problem)
+
+
+A_VERDICT = "one of failed, incomplete, passed, skipped"
+WRONG_VALUES = [  # (keys to a value in a valid file, a wrong value, what the value must be)
+    (["models"], [], "models must be an object"),
+    (["env"], {"torch": 2}, "env must be an object of strings"),
+    (["models", "lm"], "passed", "model 'lm' must be an object"),
+    (["models", "lm", "verdict"], 3, f"model 'lm': verdict must be {A_VERDICT}"),
+    (["models", "lm", "verdict"], "pased", f"model 'lm': verdict must be {A_VERDICT}"),
+    (["models", "lm", "dims"], {"x": []}, "model 'lm': dims must be an object of {axis: dim name} objects"),
+    (["models", "lm", "relations"], "a == b", "model 'lm': relations must be a list of strings"),
+    (["models", "lm", "max_abs"], "big", "model 'lm': max_abs must be a number or null"),
+    (["models", "lm", "opset"], True, "model 'lm': opset must be an integer or null"),
+    (["models", "lm", "op_counts"], {"Add": 1.5}, "model 'lm': op_counts must be an object of integers"),
+]
+
+
+@pytest.mark.parametrize(
+    "keys, value, must_be", WRONG_VALUES, ids=[f"{k[-1]}={json.dumps(v)}" for k, v, _ in WRONG_VALUES]
+)
+def test_wrong_value(tmp_path, keys, value, must_be):
+    data = recorded().to_json()
+    *parents, last = keys
+    target = data
+    for key in parents:
+        target = target[key]
+    target[last] = value
+    path = tmp_path / "baseline.json"
+    path.write_text(json.dumps(data))
+    assert_refused(path, f"{must_be}, got {json.dumps(value)}")
+
+
+def test_entry_without_verdict(tmp_path):
+    data = recorded().to_json()
+    del data["models"]["lm"]["verdict"]
+    path = tmp_path / "baseline.json"
+    path.write_text(json.dumps(data))
+    assert_refused(path, "model 'lm' has no verdict")
+
+
+def test_file_that_is_not_text(tmp_path):
+    path = tmp_path / "baseline.json"
+    path.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(BaselineError, match="not UTF-8 text"):
+        Baseline.load(path)
+
+
+def test_minimal_entries_get_defaults(tmp_path):
+    path = tmp_path / "baseline.json"
+    path.write_text('{"schema_version": 1, "models": {"lm": {"verdict": "passed"}}}')
+    assert Baseline.load(path) == Baseline({"lm": BaselineEntry("passed")})
+
+
+def test_environment_is_never_compared():
+    old = baseline(result("lm", env={"torch": "2.8.0"}))
+    now = result("lm", env={"torch": "2.9.0"})
+    assert gate(old, [now], strict=True).entries == [GateEntry("lm", "passed")]
+
+
+def test_paths_may_be_strings(tmp_path):
+    path = recorded().write(str(tmp_path / "b.json"))
+    assert path == tmp_path / "b.json"
+    assert Baseline.load(str(path)) == recorded()

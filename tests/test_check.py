@@ -1,0 +1,159 @@
+"""The engine on one model group: stages, reasons, verdicts, cache, tolerances (no pytest session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_exportobs.check import CheckSettings, check_group
+from pytest_exportobs.store import ModelGroup, ObserveOptions, SessionStore
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)))
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features = torch.relu(self.conv(images)).mean(dim=(2, 3))
+        return self.head(features)
+
+
+class Branchy(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: torch.export cannot capture it
+            return x * 2
+        return -x
+
+
+@torch.library.custom_op("exportobs_test::mystery", mutates_args=())
+def mystery(x: torch.Tensor) -> torch.Tensor:
+    return x.clone() + 1
+
+
+@mystery.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class UsesMystery(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mystery(x) * 2
+
+
+def observed(module: torch.nn.Module, *calls: tuple, name: str = "model", **options) -> ModelGroup:
+    store = SessionStore()
+    torch.manual_seed(0)
+    with store.observe(module, name, ObserveOptions(**options), "test_check.py::test") as group:
+        for args in calls:
+            module(*args)
+    return group
+
+
+def settings(tmp_path: Path, **kwargs) -> CheckSettings:
+    return CheckSettings(export_dir=tmp_path, examples=0, **kwargs)
+
+
+def test_exportable_mlp_passes_with_its_numbers(tmp_path: Path) -> None:
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    result = check_group(group, settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind, result.reason) == ("passed", "verify", "", "")
+    assert result.dims == {"x": {"0": "x_dim0"}}
+    assert result.n_observations == 2
+    assert 0 < result.max_abs < 1e-5
+    assert result.reference == "recorded"
+    assert [d["ok"] for d in result.discrepancies] == [True, True]
+    assert Path(result.onnx_path) == tmp_path / "model" / "model.onnx"
+    assert result.op_counts["Gemm"] + result.op_counts.get("MatMul", 0) >= 2
+    assert set(result.timings) >= {"infer", "torch.export", "decompose", "onnx-translate", "onnx-checker", "verify"}
+
+
+def test_conv_net_with_dynamic_height_and_width(tmp_path: Path) -> None:
+    group = observed(ConvNet().eval(), (torch.randn(2, 3, 16, 20),), (torch.randn(3, 3, 24, 12),),
+                     name="pixel_values")
+    result = check_group(group, settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"images": {"0": "images_dim0", "2": "images_dim2", "3": "images_dim3"}}
+
+
+def test_data_dependent_branch_fails_at_torch_export_with_the_source_line(tmp_path: Path) -> None:
+    group = observed(Branchy(), (torch.randn(2, 4),), (torch.randn(3, 4),))
+    result = check_group(group, settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind) == ("failed", "torch.export", "error")
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "if x.sum() > 0" in text)
+    assert result.reason.endswith(f"test_check.py:{line})")
+    assert "data-dependent" in result.reason.lower() or "guard" in result.reason.lower()
+
+
+def test_op_without_onnx_translation_fails_at_translation_naming_it(tmp_path: Path) -> None:
+    group = observed(UsesMystery(), (torch.randn(2, 4),), (torch.randn(3, 4),))
+    result = check_group(group, settings(tmp_path))
+    assert (result.verdict, result.stage) == ("failed", "onnx-translate")
+    assert "exportobs_test" in result.reason and "mystery" in result.reason
+
+
+def test_tolerance_below_the_real_error_fails_as_mismatch_with_numbers(tmp_path: Path) -> None:
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),), atol=0.0, rtol=0.0)
+    result = check_group(group, settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind) == ("failed", "verify", "mismatch")
+    assert result.max_abs > 0
+    assert f"max |Δ| {result.max_abs:.3g}" in result.reason
+    assert "beyond atol=0 rtol=0" in result.reason
+
+
+def test_second_run_hits_the_cache_and_a_changed_weight_misses_it(tmp_path: Path) -> None:
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    first = check_group(group, settings(tmp_path))
+    second = check_group(group, settings(tmp_path))
+    assert (first.cache_hit, second.cache_hit) == (False, True)
+    assert second.verdict == "passed" and "torch.export" not in second.timings
+    with torch.no_grad():
+        group.module.l1.weight[0, 0] += 1.0
+    third = check_group(group, settings(tmp_path))
+    assert third.cache_hit is False and third.verdict == "passed"
+    assert third.reference.startswith("recomputed on the exported instance for 2 of 2")
+
+
+def test_corrupted_cache_entry_is_rebuilt(tmp_path: Path) -> None:
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    check_group(group, settings(tmp_path))
+    for entry in (tmp_path / "cache").glob("*.onnx"):
+        entry.write_bytes(entry.read_bytes()[:100])
+    again = check_group(group, settings(tmp_path))
+    assert (again.cache_hit, again.verdict) == (False, "passed")
+
+
+def test_target_torch_stops_after_torch_export(tmp_path: Path) -> None:
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    result = check_group(group, settings(tmp_path, target="torch"))
+    assert (result.verdict, result.stage, result.onnx_path) == ("passed", "verify", "")
+    assert "onnx-translate" not in result.timings
+    assert result.max_abs is not None and result.max_abs < 1e-5
+
+
+def test_model_with_no_call_is_skipped(tmp_path: Path) -> None:
+    group = observed(MLP().eval())
+    result = check_group(group, settings(tmp_path))
+    assert (result.verdict, result.stage, result.reason) == ("skipped", "observe", "no call of the model was observed")
+
+
+def test_module_mode_is_restored_and_export_runs_in_eval(tmp_path: Path) -> None:
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    group = observed(module.eval(), (torch.randn(2, 4),), (torch.randn(3, 4),))
+    module.train()
+    result = check_group(group, settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert module.training is True

@@ -1,0 +1,223 @@
+"""The plugin in real pytest sessions (subprocesses): outcomes, junitxml, xdist, zero cost when off."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+MODELS = '''
+import torch
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.l(x)
+        return -x
+'''
+
+CONFTEST = '''
+import pytest, torch
+from models import MLP
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return MLP().eval()
+'''
+
+TEST_MARKED = '''
+import pytest, torch
+
+@pytest.mark.observe_export("mlp")
+def test_batch_2(mlp):
+    assert mlp(torch.randn(2, 8)).shape == (2, 4)
+
+@pytest.mark.observe_export("mlp")
+def test_batch_5(mlp):
+    assert mlp(torch.randn(5, 8)).shape == (5, 4)
+
+@pytest.mark.observe_export("mlp", name="mlp-failing-test")
+def test_fails_after_observing(mlp):
+    mlp(torch.randn(3, 8))
+    mlp(torch.randn(6, 8))
+    assert False, "a user test failure"
+
+@pytest.mark.observe_export("mlp", name="never-called")
+def test_never_calls(mlp):
+    pass
+'''
+
+TEST_WATCH = '''
+import torch
+from models import Branchy
+
+def test_watch(export_observer):
+    model = export_observer.watch(Branchy(), name="branchy")
+    model(torch.randn(3, 4))
+    model(torch.randn(6, 4))
+'''
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_marked=TEST_MARKED, test_watch=TEST_WATCH)
+    return pytester
+
+
+def junit_cases(path) -> dict[str, str]:
+    """``classname::name`` -> outcome of every testcase in a junit xml file."""
+    cases = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        children = {child.tag for child in case}
+        outcome = next((tag for tag in ("failure", "error", "skipped") if tag in children), "passed")
+        cases[f"{case.get('classname')}::{case.get('name')}"] = outcome
+    return cases
+
+
+EXPECTED_CASES = {
+    "test_marked::test_batch_2": "passed",
+    "test_marked::test_batch_5": "passed",
+    "test_marked::test_fails_after_observing": "failure",
+    "test_marked::test_never_calls": "passed",
+    "test_watch::test_watch": "passed",
+    "exportobs::mlp": "passed",
+    "exportobs::mlp-failing-test": "passed",
+    "exportobs::never-called": "skipped",
+    "exportobs::branchy": "failure",
+}
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_one_outcome_per_model(suite: pytest.Pytester, workers: list[str]) -> None:
+    result = suite.runpytest_subprocess(
+        "--export-check", "--export-examples=2", "--junitxml=junit.xml", "-rA", "-p", "no:cacheprovider", *workers
+    )
+    result.assert_outcomes(passed=6, failed=2, skipped=1)
+    assert result.ret == 1
+    assert junit_cases(suite.path / "junit.xml") == EXPECTED_CASES
+    result.stdout.fnmatch_lines([
+        "*FAILED exportobs::branchy - failed at torch.export: *x.sum() > 0*",
+        "SKIPPED *never-called*no call of the model was observed*",
+        "PASSED exportobs::mlp",
+        "exportobs gate: 1 failure (branchy: failed at torch.export)",
+    ])
+    result.stdout.re_match_lines([r"mlp\s+passed\s+verify\s+2\s+\S+\s+\S+s\s+x\{0:x_dim0\}"])
+
+
+def test_exit_code_zero_when_every_model_passes(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(models=MODELS, conftest=CONFTEST)
+    pytester.makepyfile(test_ok=TEST_MARKED.split("@pytest.mark.observe_export(\"mlp\", name=\"mlp-failing-test\")")[0])
+    result = pytester.runpytest_subprocess("--export-check", "--export-examples=0", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
+    assert result.ret == 0
+
+
+def test_progress_lines_and_summary_table(suite: pytest.Pytester) -> None:
+    result = suite.runpytest_subprocess("--export-check", "--export-examples=0", "-k", "batch", "-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines([
+        "exportobs [[]1/1[]] mlp: infer (*s)",
+        "exportobs [[]1/1[]] mlp: export (*s)",
+        "exportobs [[]1/1[]] mlp: passed in *s",
+        "model*verdict*stage*obs*max|Δ|*time*dynamic dims",
+    ])
+
+
+ZERO_COST_CONFTEST = CONFTEST + '''
+import json, sys
+
+def pytest_sessionfinish(session):
+    loaded = sorted(m for m in sys.modules if m.startswith("pytest_exportobs"))
+    with open("loaded.json", "w") as f:
+        json.dump(loaded, f)
+'''
+
+TEST_FORWARD_UNTOUCHED = '''
+import pytest, torch
+
+@pytest.mark.observe_export("mlp")
+def test_forward_is_original(mlp):
+    assert "forward" not in vars(mlp)
+    mlp(torch.randn(2, 8))
+
+def test_watch_is_identity(export_observer, mlp):
+    assert export_observer.watch(mlp) is mlp
+    assert "forward" not in vars(mlp)
+'''
+
+
+def test_nothing_happens_without_the_flag(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(models=MODELS, conftest=ZERO_COST_CONFTEST, test_untouched=TEST_FORWARD_UNTOUCHED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    assert json.loads((pytester.path / "loaded.json").read_text()) == [
+        "pytest_exportobs", "pytest_exportobs.plugin", "pytest_exportobs.settings",
+    ]
+    assert not (pytester.path / ".exportobs").exists()
+
+
+def test_loading_the_plugin_imports_no_heavy_module() -> None:
+    code = (
+        "import sys, pytest_exportobs.plugin;"
+        "heavy = {'torch', 'onnx', 'onnxruntime', 'onnxscript', 'transformers', 'hypothesis'};"
+        "print(sorted(heavy & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_collect_only_exports_nothing(suite: pytest.Pytester) -> None:
+    result = suite.runpytest_subprocess("--export-check", "--collect-only", "-p", "no:cacheprovider")
+    assert result.ret == 0
+    assert "exportobs" not in result.stdout.str().replace("exportobs-", "")
+    assert not (suite.path / ".exportobs").exists()
+
+
+def test_marker_errors_fail_the_test_clearly(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_errors='''
+import pytest
+
+@pytest.fixture
+def not_a_module():
+    return 42
+
+@pytest.mark.observe_export("mlp")
+def test_fixture_not_used():
+    pass
+
+@pytest.mark.observe_export("not_a_module")
+def test_not_a_module(not_a_module):
+    pass
+
+@pytest.mark.observe_export("mlp", colour="red")
+def test_unknown_option(mlp):
+    pass
+''')
+    result = pytester.runpytest_subprocess("--export-check", "--strict-markers", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines([
+        "*the test does not use a fixture named 'mlp'*",
+        "*'not_a_module' is a int, not a torch.nn.Module*",
+        "*unknown argument(s) ['colour']*",
+    ])
+
+
+def test_marker_is_registered(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess("--markers")
+    result.stdout.fnmatch_lines(["@pytest.mark.observe_export(*fixture_names, name=None*"])

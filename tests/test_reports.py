@@ -1,0 +1,134 @@
+"""JSON and Markdown reports; pure Python, no torch."""
+
+from __future__ import annotations
+
+import json
+
+from pytest_exportobs.baseline import Baseline, gate
+from pytest_exportobs.reports import write_reports
+from pytest_exportobs.results import ModelResult
+
+ENV = {"torch": "2.9.0", "onnx": "1.19.0"}
+
+
+def results() -> list[ModelResult]:
+    return [
+        ModelResult(
+            "vit", "failed", stage="torch.export", kind="error", reason="data-dependent branch at m.py:41",
+            repro_path=".exportobs/vit/repro.py", n_observations=1, timings={"export": 0.5},
+        ),
+        ModelResult(
+            "lm", "passed", dims={"input_ids": {"0": "batch", "1": "seq"}}, n_observations=2,
+            max_abs=3.1e-07, timings={"export": 1.0, "verify": 0.25},
+        ),
+    ]
+
+
+def session_gate():
+    old = Baseline.from_results(
+        [ModelResult("gone", "passed"), ModelResult("lm", "passed", max_abs=1e-07), ModelResult("vit", "passed")]
+    )
+    return gate(old, results(), strict=False)
+
+
+EXPECTED_MARKDOWN = """\
+# exportobs report
+
+exportobs gate: 1 regression (vit: passed→failed at torch.export)
+
+| model | outcome | stage | dynamic dims | obs | max abs Δ | time |
+| --- | --- | --- | --- | --- | --- | --- |
+| gone | missing |  |  |  |  |  |
+| lm | passed |  | `input_ids{0:batch,1:seq}` | 2 | 3.1e-07 | 1.2 s |
+| vit | failed | torch.export | `static` | 1 |  | 0.5 s |
+
+## Notes
+
+- lm: max|Δ| grew 1e-07 → 3.1e-07, within tolerance
+
+## vit: failed
+
+passed→failed at torch.export
+
+- stage: `torch.export` (error)
+- repro: `.exportobs/vit/repro.py`
+
+```text
+data-dependent branch at m.py:41
+```
+
+Environment: onnx 1.19.0, torch 2.9.0
+"""
+
+
+def test_json_and_markdown(tmp_path):
+    paths = write_reports(tmp_path / "out" / "report.json", results(), session_gate(), ENV)
+    assert paths == [tmp_path / "out" / "report.json", tmp_path / "out" / "report.md"]
+    vit, lm = results()
+    assert json.loads(paths[0].read_text()) == {
+        "schema_version": 1,
+        "env": ENV,
+        "gate": {
+            "failed": True,
+            "summary": "exportobs gate: 1 regression (vit: passed→failed at torch.export)",
+            "entries": [
+                {"name": "gone", "outcome": "missing", "message": "in the baseline but not observed",
+                 "regression": False, "notes": []},
+                {"name": "lm", "outcome": "passed", "message": "", "regression": False,
+                 "notes": ["max|Δ| grew 1e-07 → 3.1e-07, within tolerance"]},
+                {"name": "vit", "outcome": "failed", "message": "passed→failed at torch.export",
+                 "regression": True, "notes": []},
+            ],
+        },
+        "models": [lm.to_json(), vit.to_json()],
+    }
+    assert paths[1].read_text() == EXPECTED_MARKDOWN
+    assert sorted(p.name for p in paths[0].parent.iterdir()) == ["report.json", "report.md"]
+
+
+def test_reports_are_deterministic(tmp_path):
+    first = write_reports(tmp_path / "a.json", results(), session_gate(), ENV)
+    second = write_reports(tmp_path / "b.json", results()[::-1], session_gate(), dict(reversed(ENV.items())))
+    assert [p.read_bytes() for p in first] == [p.read_bytes() for p in second]
+    assert first[0].read_text().endswith("}\n")
+
+
+def test_without_gate_the_verdict_is_the_outcome(tmp_path):
+    json_path, md_path = write_reports(tmp_path / "report.json", results(), None, {})
+    assert json.loads(json_path.read_text())["gate"] is None
+    assert md_path.read_text() == """\
+# exportobs report
+
+| model | outcome | stage | dynamic dims | obs | max abs Δ | time |
+| --- | --- | --- | --- | --- | --- | --- |
+| lm | passed |  | `input_ids{0:batch,1:seq}` | 2 | 3.1e-07 | 1.2 s |
+| vit | failed | torch.export | `static` | 1 |  | 0.5 s |
+
+## vit: failed
+
+- stage: `torch.export` (error)
+- repro: `.exportobs/vit/repro.py`
+
+```text
+data-dependent branch at m.py:41
+```
+"""
+
+
+def test_known_failure_and_regression_without_failed_verdict_get_sections(tmp_path):
+    old = Baseline.from_results([
+        ModelResult("known", "failed", stage="verify"), ModelResult("vit", "passed", dims={"x": {"2": "h"}}),
+    ])
+    now = [ModelResult("known", "failed", stage="verify", kind="mismatch"), ModelResult("vit", "passed")]
+    _, md_path = write_reports(tmp_path / "report.json", now, gate(old, now, strict=False), {})
+    sections = md_path.read_text().split("\n## ")[1:]
+    assert sections == [
+        "known: xfailed\n\nknown failure at verify\n\n- stage: `verify` (mismatch)\n",
+        "vit: failed\n\ndim x.2 (h) became static\n",
+    ]
+
+
+def test_table_cells_are_escaped(tmp_path):
+    odd = ModelResult("a|b", "skipped")
+    _, md_path = write_reports(tmp_path / "r.json", [odd], None, {})
+    assert "| a\\|b | skipped |  | `static` | 0 |  | 0.0 s |" in md_path.read_text().splitlines()
