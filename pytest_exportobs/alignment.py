@@ -79,10 +79,18 @@ class AlignedCalls:
         present = [sum(t is not None for t in call) for call in self.calls]
         return present.index(max(present))
 
+    def is_tensor_leaf(self, leaf: int) -> bool:
+        """Whether the leaf holds a tensor in some call (else a constant or ``None`` leaf)."""
+        return any(isinstance(call[leaf], torch.Tensor) for call in self.calls)
+
     def filled_leaves(self, index: int) -> list[Any]:
-        """The leaves of call ``index``, absent tensors replaced by empty stand-ins."""
+        """The leaves of call ``index``, absent tensors replaced by empty stand-ins.
+
+        A ``None`` leaf never holding a tensor (torch >= 2.13 flattens ``None`` as a leaf)
+        stays ``None``.
+        """
         return [
-            self._stand_in(leaf) if value is None else value
+            self._stand_in(leaf) if value is None and leaf in self.missing_dims else value
             for leaf, value in enumerate(self.calls[index])
         ]
 
@@ -264,7 +272,10 @@ def _constant(sv: _SlotValues, values: list[Any]) -> tuple[Any] | None:
     """``(value,)`` of a constant argument, ``None`` when it equals the default."""
     seen = {repr(sv.default if v is None else v): (i, v) for i, v in enumerate(values)}
     if len(seen) > 1 or any(isinstance(v, torch.Tensor) for v in values):
-        shown = ", ".join(f"call {i}: {string_type(v)}={v!r}" for i, v in seen.values())
+        shown = ", ".join(
+            f"call {i}: default {sv.default!r}" if v is None else f"call {i}: {string_type(v)}={v!r}"
+            for i, v in seen.values()
+        )
         raise ValueError(f"argument {sv.name!r} must keep one constant value across calls, got {shown}")
     value = next(v for v in values if v is not None)
     if sv.default is not inspect.Parameter.empty and value == sv.default:

@@ -147,18 +147,19 @@ def _variations(
     """Generated shapes: a failure is kind ``variation`` with the smallest failing sizes."""
     from .variations import explore
 
+    result.stage = "variations"
     begin = time.perf_counter()
     method = getattr(group.module, group.options.method)
     variation = _quiet(result, lambda: explore(
         eager=lambda leaves: _flat_outputs(method(*shapes.aligned.split_arguments(leaves)[0],
                                                   **shapes.aligned.split_arguments(leaves)[1])),
         run=runner, shapes=shapes, tolerance=tolerance, examples=examples, seed=settings.hypothesis_seed,
-        database_dir=settings.export_dir / "hypothesis",
+        database_dir=settings.export_dir / safe_name(group.name) / "hypothesis",
     ))
     result.timings["variations"] = time.perf_counter() - begin
     result.variations = variation.to_json()
     if variation.failed:
-        result.stage, result.kind = "variations", "variation"
+        result.kind = "variation"
         sizes = ", ".join(f"{k}={v}" for k, v in variation.failing_sizes.items())
         result.reason = f"fails at {sizes}: {variation.detail}"
         _repro(group, settings, shapes, variation.failing_leaves, result)

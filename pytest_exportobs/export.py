@@ -239,7 +239,7 @@ def unsupported_ops(message: str) -> list[str]:
 
 
 def user_frame(error: BaseException) -> str:
-    """``file:line`` of the innermost frame of user code (outside torch, site-packages and us)."""
+    """``file:line: code`` of the innermost frame of user code (outside torch, site-packages, us)."""
     frames = traceback.extract_tb(error.__traceback__)
     for cause in (error.__cause__, error.__context__):
         if cause is not None:
@@ -253,7 +253,8 @@ def user_frame(error: BaseException) -> str:
         found = re.findall(r'File "([^"]+)", line (\d+)', str(error))
         user_paths = [(p, n) for p, n in found if "site-packages" not in p and "/torch/" not in p]
         return f"{_short(user_paths[-1][0])}:{user_paths[-1][1]}" if user_paths else ""
-    return f"{_short(user[-1].filename)}:{user[-1].lineno}"
+    frame = user[-1]
+    return f"{_short(frame.filename)}:{frame.lineno}" + (f": {frame.line.strip()}" if frame.line else "")
 
 
 def _short(path: str) -> str:
@@ -271,15 +272,12 @@ def _first_line(text: str) -> str:
 def fingerprint(
     module: torch.nn.Module, shapes: ShapeModel, args: tuple, kwargs: dict, settings: ExportSettings
 ) -> str:
-    """Hash of everything the ONNX file depends on: code, weights, shapes, versions, settings."""
+    """Hash of what the ONNX file depends on: the source files of the model's classes, its
+    weights, shapes, package versions and patches.  Code paths chosen by environment variables
+    or global state are not seen (verification still runs on every hit)."""
     digest = hashlib.sha256()
-    for cls in type(module).__mro__:
-        if cls.__module__.startswith("torch.nn"):
-            break
-        try:
-            digest.update(inspect.getsource(cls).encode())
-        except (OSError, TypeError):
-            digest.update(f"{cls.__module__}.{cls.__qualname__}".encode())
+    for source in _source_files(module):
+        digest.update(source.encode())
     for name, tensor in (*module.named_parameters(), *module.named_buffers()):
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
@@ -288,6 +286,21 @@ def fingerprint(
     digest.update(repr([(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in leaves]).encode())
     digest.update(json.dumps([_versions(), list(settings.fingerprint_extra)]).encode())
     return digest.hexdigest()[:32]
+
+
+def _source_files(module: torch.nn.Module) -> list[str]:
+    """Text of the files defining the classes of the module and its submodules (outside torch)."""
+    classes = {cls for sub in module.modules() for cls in type(sub).__mro__}
+    texts = {}
+    for cls in classes:
+        if cls.__module__.startswith(("torch.", "builtins")) or cls is object:
+            continue
+        try:
+            path = inspect.getsourcefile(cls)
+            texts[path] = Path(path).read_text() if path else cls.__qualname__
+        except (OSError, TypeError):
+            texts[cls.__qualname__] = f"{cls.__module__}.{cls.__qualname__}"
+    return [texts[k] for k in sorted(texts, key=str)]
 
 
 def _versions() -> dict[str, str]:

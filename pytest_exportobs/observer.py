@@ -8,7 +8,7 @@ import inspect
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,11 +38,16 @@ class Observation:
 
 @dataclass
 class CallCounts:
-    """How many calls were recorded, merged into an existing signature, or not stored."""
+    """How many calls were recorded, merged into an existing signature, or not stored.
+
+    ``failed`` counts the calls that could not be recorded (inputs or outputs pytree cannot
+    flatten, ...): the model still ran, the reasons are in ``InputObserver.errors``.
+    """
 
     stored: int = 0
     duplicates: int = 0
     dropped: int = 0
+    failed: int = 0
 
 
 def flattening_context() -> contextlib.AbstractContextManager:
@@ -76,8 +81,14 @@ def call_signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
 
 
 def weights_version(module: torch.nn.Module) -> int:
-    """Sum of the in-place version counters of parameters and buffers: changes when weights do."""
-    return sum(t._version for t in (*module.parameters(), *module.buffers()))
+    """Sum of the in-place version counters of parameters and buffers: changes when weights do.
+
+    Inference tensors (made under ``torch.inference_mode``) have no version counter; they
+    count 0 (outside inference mode they cannot be modified in place).
+    """
+    return sum(
+        0 if t.is_inference() else t._version for t in (*module.parameters(), *module.buffers())
+    )
 
 
 class InputObserver:
@@ -101,6 +112,7 @@ class InputObserver:
         self.counts = CallCounts()
         self.signature: inspect.Signature | None = None
         self.source = ""
+        self.errors: list[str] = []  # why calls could not be recorded (distinct messages)
         self._by_key: dict[tuple, Observation] = {}
 
     def num_obs(self) -> int:
@@ -166,32 +178,43 @@ class InputObserver:
     ) -> Callable:
         @functools.wraps(method)
         def observed(*args: Any, **kwargs: Any) -> Any:
+            # Observing never changes what the call does: a call that cannot be recorded
+            # (a cache pytree cannot flatten, ...) still runs and is counted as failed.
             with flattening_context():
-                key = call_signature(args, kwargs)
-                known = self._by_key.get(key)
-                if known is not None or len(self.observations) >= limit:
-                    self._count_unstored(known)
+                try:
+                    ordered = self._ordered(kwargs)
+                    key = call_signature(args, ordered)
+                    known = self._by_key.get(key)
+                    if known is not None or len(self.observations) >= limit:
+                        self._count_unstored(known)
+                        inputs = None
+                    else:
+                        inputs = detached_clone((args, ordered))
+                except Exception as e:
+                    self._count_failed(e)
+                    inputs = None
+                if inputs is None:
                     return method(*args, **kwargs)
-                inputs = detached_clone((args, self._ordered(kwargs)))
                 begin = time.perf_counter()
                 outputs = method(*args, **kwargs)
                 latency = time.perf_counter() - begin
-                flat_outputs = _pytree.tree_leaves(outputs)
-                self._store(
-                    key,
-                    Observation(
+                try:
+                    observation = Observation(
                         args=inputs[0],
                         kwargs=inputs[1],
                         outputs=[
                             t.detach().clone() if isinstance(t, torch.Tensor) else None
-                            for t in flat_outputs
+                            for t in _pytree.tree_leaves(outputs)
                         ],
                         latency=latency,
                         source=self.source,
                         instance=id(model),
                         weights_version=weights_version(model),
-                    ),
-                )
+                    )
+                except Exception as e:
+                    self._count_failed(e)
+                else:
+                    self._store(key, observation)
                 return outputs
 
         observed.__signature__ = signature  # type: ignore[attr-defined]
@@ -203,6 +226,12 @@ class InputObserver:
         else:
             known.calls += 1
             self.counts.duplicates += 1
+
+    def _count_failed(self, error: Exception) -> None:
+        self.counts.failed += 1
+        message = f"{type(error).__name__}: {error}"
+        if message not in self.errors:
+            self.errors.append(message)
 
     def _store(self, key: tuple, observation: Observation) -> None:
         self._by_key[key] = observation
@@ -218,7 +247,11 @@ class InputObserver:
     def aligned(self) -> AlignedCalls:
         """The stored observations aligned on one input structure (see :mod:`.alignment`)."""
         if not self.observations or self.signature is None:
-            raise ValueError("no call was recorded: call the model inside `with observer(model):`")
+            reason = (
+                f"; {self.counts.failed} call(s) could not be recorded: {'; '.join(self.errors)}"
+                if self.counts.failed else ""
+            )
+            raise ValueError(f"no call was recorded: call the model inside `with observer(model):`{reason}")
         with flattening_context():
             return align_calls(
                 [(o.args, o.kwargs) for o in self.observations], self.signature, self.value_if_missing

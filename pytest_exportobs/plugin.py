@@ -35,10 +35,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
     export = config.stash[session_key] = ExportSession(config, settings)
     config.pluginmanager.register(ObservedModels(export), "exportobs-observed")
-    if is_worker(config):
-        config.option.loadgroup = bool(config.workerinput.get("exportobs_pin"))
-    elif getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"  # keep the observations of each model on one worker
+    if config.pluginmanager.hasplugin("xdist"):
+        from ._xdist import XdistHooks, pin_observing_tests
+
+        config.pluginmanager.register(XdistHooks(export), "exportobs-xdist")
+        if not is_worker(config):
+            pin_observing_tests(config)
 
 
 class ObservedModels:
@@ -56,23 +58,6 @@ class ObservedModels:
 
 def _session(config: pytest.Config) -> Any:
     return config.stash.get(session_key, None)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node: Any) -> None:
-    if _session(node.config) is not None:
-        node.workerinput["exportobs_pin"] = node.config.option.dist == "loadgroup"
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _session(config) is None or not getattr(config.option, "loadgroup", False):
-        return
-    from .session import MARKER, XDIST_GROUP
-
-    for item in items:
-        if item.get_closest_marker(MARKER) or "export_observer" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -105,31 +90,23 @@ def export_observer(request: pytest.FixtureRequest) -> Iterator[ExportObserver]:
         yield ExportObserver(request, stack)
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: Any) -> None:
-    session = _session(node.config)
-    if session is not None:
-        output = getattr(node, "workeroutput", {}).get("exportobs")
-        session.merge_worker_output(output, node.gateway.id)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     export = _session(session.config)
     if export is None:
         return
-    from .session import is_worker
+    from .session import OUTPUT_KEY, is_worker
 
     if is_worker(session.config):
         export.check_local()
-        session.config.workeroutput["exportobs"] = export.worker_output()
+        session.config.workeroutput[OUTPUT_KEY] = export.worker_output()
         return
     export.check_local(_progress_writer(session.config))
     from .report import log_outcomes
 
     gate = export.conclude()
     log_outcomes(session.config, export.results, gate)
-    if gate.failed and session.exitstatus == pytest.ExitCode.OK:
+    if (gate.failed or export.problems) and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -138,16 +115,15 @@ def _progress_writer(config: pytest.Config) -> Any:
     if terminal is None:
         return None
     terminal.ensure_newline()
-
-    def write(line: str) -> None:
-        terminal.write_line(line)
-
-    return write
+    return terminal.write_line
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     export = _session(terminalreporter.config)
     if export is None or export.gate is None:
+        return
+    if not export.gate.entries:
+        terminalreporter.write_line("exportobs: no model was observed (mark tests with @pytest.mark.observe_export)")
         return
     from .report import summary_rows
 
@@ -155,3 +131,5 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     for row in summary_rows(export.results, export.gate):
         terminalreporter.write_line(row)
     terminalreporter.write_line(export.gate.summary_line(), red=export.gate.failed, green=not export.gate.failed)
+    for problem in export.problems:
+        terminalreporter.write_line(problem, red=True)

@@ -81,7 +81,7 @@ def detail_text(result: ModelResult) -> str:
         f"relations: {', '.join(result.relations) or 'none'}",
         f"observations: {result.n_observations} distinct of {result.n_calls} calls; reference: {result.reference or '-'}",
         f"max |Δ|: {_number(result.max_abs)}  max rel: {_number(result.max_rel)}",
-        f"timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()),
+        "timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()),
     ]
     if result.variations:
         lines.append(f"variations: {result.variations}")

@@ -47,8 +47,8 @@ class _Builder:
 _SCRIPT = '''\
 """Reproduces the failure of {model} at stage {stage!r}, found by pytest-exportobs.
 
-`python repro.py` exits with 1 when the failure reproduces. Beside this file: weights.pt
-(state_dict), inputs.pt (flat inputs of the failing call and their structure){config_file}.
+`python repro.py` exits with 1 when the failure reproduces. Beside it: weights.pt (state_dict),
+inputs.pt (flat inputs of the failing call and their structure){config_file}.
 """
 
 {imports}
@@ -84,7 +84,7 @@ if __name__ == "__main__":
 
 _EXPORT = '''
 def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    """torch.export with every named dimension dynamic."""
+    """torch.export with every named dimension Dim.DYNAMIC (torch finds the equal ones)."""
     dynamic_shapes = _pytree.tree_map(lambda name: torch.export.Dim.DYNAMIC, DYNAMIC_SHAPES)
     with torch.fx.experimental._config.patch(backed_size_oblivious=SIZE_OBLIVIOUS):
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
@@ -124,9 +124,16 @@ def main() -> int:
     return 0 if result.ok else 1
 '''
 
+# the functions of repro.py per flow: torch.export only, torch.export + run, ONNX + onnxruntime
+_FUNCTIONS = {
+    "torch.export": (_EXPORT, _MAIN_EXPORT),
+    "torch": (_EXPORT, _RUN_PROGRAM, _MAIN_VERIFY),
+    "onnx": (_RUN_ONNX, _MAIN_VERIFY),
+}
+
 
 def write_repro(
-    directory: Path, module: torch.nn.Module, shapes: ShapeModel, leaves: list, *, stage: str,
+    directory: Path, module: torch.nn.Module, shapes: ShapeModel, leaves: list[Any], *, stage: str,
     target: str, method: str, atol: float | None, rtol: float | None,
 ) -> Repro:
     """Write the repro of ``module`` failing at ``stage`` on the call made of ``leaves``."""
@@ -152,39 +159,35 @@ def write_repro(
 
 
 def _script(
-    module: torch.nn.Module, shapes: ShapeModel, leaves: list, builder: _Builder, transformers: bool,
+    module: torch.nn.Module, shapes: ShapeModel, leaves: list[Any], builder: _Builder, transformers: bool,
     stage: str, target: str, method: str, atol: float | None, rtol: float | None,
 ) -> str:
-    """The text of repro.py: only the functions the stage needs."""
+    """The text of repro.py, with only the functions its flow needs."""
     flow = "torch.export" if stage == "torch.export" else "torch" if target == "torch" else "onnx"
-    constants = {
-        "torch.export": f"SIZE_OBLIVIOUS = {_size_oblivious(shapes, leaves)}  # a dynamic size is 0 or 1 in the inputs",
-        "onnx": f"ATOL, RTOL = {atol!r}, {rtol!r}  # None: pytest-exportobs' default for the output dtype",
-    }
-    constants["torch"] = "\n".join(constants.values())
-    functions = {
-        "torch.export": _EXPORT + "\n" + _MAIN_EXPORT,
-        "torch": _EXPORT + "\n" + _RUN_PROGRAM + "\n" + _MAIN_VERIFY,
-        "onnx": _RUN_ONNX + "\n" + _MAIN_VERIFY,
-    }
+    constants = []
+    if flow != "onnx":
+        constants.append(f"SIZE_OBLIVIOUS = {_size_oblivious(shapes, leaves)}  # is a dynamic size 0 or 1 in the inputs?")
+    if flow != "torch.export":
+        constants.append(f"ATOL, RTOL = {atol!r}, {rtol!r}  # None: pytest-exportobs' default for the dtype")
     return _SCRIPT.format(
         model=type(module).__qualname__, stage=stage,
-        config_file=", config.json (transformers configuration)" if builder.config is not None else "",
+        config_file=", config.json" if builder.config is not None else "",
         imports=_imports(flow, builder, transformers),
-        dynamic_shapes=pprint.pformat(shapes.to_axis_names(), width=100, sort_dicts=False),
-        constants=constants[flow], build=builder.body, functions=functions[flow],
+        dynamic_shapes=_literal(shapes.to_axis_names(), indent=len("DYNAMIC_SHAPES = ")),
+        constants="\n".join(constants), build=builder.body, functions="\n".join(_FUNCTIONS[flow]),
         method="" if method == "forward" else f"    model.forward = model.{method}  # the observed method\n",
         context="register_flattening_functions(), " if transformers else "",
     )
 
 
 def _imports(flow: str, builder: _Builder, transformers: bool) -> str:
+    """Import lines grouped as isort does: standard, third party, the model's, pytest-exportobs."""
     standard = ["import json"] * (builder.config is not None) + ["import pathlib", "import sys"]
     third_party = ["import onnx", "import onnxruntime"] * (flow == "onnx") + [
         "import torch", "from torch.utils import _pytree"]
     ours = ["from pytest_exportobs import register_flattening_functions"] * transformers + [
         "from pytest_exportobs.verify import Tolerance, compare"] * (flow != "torch.export")
-    return "\n\n".join("\n".join(group) for group in (standard, third_party, ours, builder.imports) if group)
+    return "\n\n".join("\n".join(group) for group in (standard, third_party, builder.imports, ours) if group)
 
 
 def _builder(module: torch.nn.Module) -> _Builder:
@@ -242,7 +245,7 @@ def _constructor_problem(cls: type, module: torch.nn.Module) -> str:
     ]
     if required:
         return f"its constructor needs arguments: {', '.join(required)}"
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+    with torch.random.fork_rng(devices=[]):  # the constructor may draw random weights or seed
         try:
             built = cls()
         except Exception as e:  # whatever the user's constructor raises
@@ -253,21 +256,24 @@ def _constructor_problem(cls: type, module: torch.nn.Module) -> str:
 
 
 def _parameter_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Shape of every entry of the ``state_dict``."""
     return {name: tuple(t.shape) for name, t in module.state_dict().items()}
 
 
 def _import_lines(*classes: type) -> list[str]:
     """Lines importing ``classes`` by their qualified names (from the top-level package when
     exported there), after putting their source directories on ``sys.path`` when needed."""
-    paths, imports = [], []
+    paths: list[str] = []
+    names: dict[str, list[str]] = {}
     for cls in classes:
         package = cls.__module__.split(".")[0]
         source = package if _resolve(package, cls.__qualname__) is cls else cls.__module__
-        imports.append(f"from {source} import {cls.__qualname__.split('.')[0]}")
+        names.setdefault(source, []).append(cls.__qualname__.split(".")[0])
         root = _source_root(cls)
         if root:
             paths.append(f"sys.path.insert(0, {root!r})  # where pytest imported {cls.__module__} from")
-    return list(dict.fromkeys([*paths, *imports]))
+    imports = [f"from {source} import {', '.join(dict.fromkeys(heads))}" for source, heads in names.items()]
+    return [*dict.fromkeys(paths), *imports]
 
 
 def _source_root(cls: type) -> str | None:
@@ -296,13 +302,18 @@ def _node_types(spec: _pytree.TreeSpec) -> list[type]:
     return [spec.type, *(t for child in spec.children() for t in _node_types(child))]
 
 
-def _size_oblivious(shapes: ShapeModel, leaves: list) -> bool:
+def _size_oblivious(shapes: ShapeModel, leaves: list[Any]) -> bool:
     """True when a dynamic dimension is 0 or 1 in ``leaves``: torch.export would specialize it."""
     return any(
         leaf.shape[dim] < 2
         for leaf, axes in zip(leaves, shapes.leaf_axes()) if isinstance(leaf, torch.Tensor)
         for dim in axes
     )
+
+
+def _literal(value: Any, indent: int) -> str:
+    """``value`` as a Python literal whose continuation lines are indented by ``indent``."""
+    return pprint.pformat(value, width=100 - indent, sort_dicts=False).replace("\n", "\n" + " " * indent)
 
 
 def _detached(value: Any) -> Any:

@@ -50,7 +50,7 @@ def _isolated(group: ModelGroup, settings: CheckSettings) -> ModelResult:
     if data is not None and child.exitcode == 0:
         return ModelResult.from_json(data)
     return ModelResult(
-        name=group.name, verdict=FAILED, stage="isolated", kind="error", sources=list(group.sources),
+        name=group.name, verdict=FAILED, stage="isolate", kind="error", sources=list(group.sources),
         reason=f"the isolated check process died ({_exit_reason(child.exitcode)})",
     )
 

@@ -9,7 +9,6 @@ results to the controller.  The controller alone applies the baseline, reports a
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +32,7 @@ class ExportSession:
         self.results: dict[str, ModelResult] = {}
         self.observed: set[str] = set()  # group names seen in test reports (controller side)
         self.gate: Gate | None = None
+        self.problems: list[str] = []  # files that could not be written
         self.baseline = self._load_baseline() if not is_worker(config) else None
         self._store: Any = None
 
@@ -53,7 +53,6 @@ class ExportSession:
             yield
             return
         from .observer import flattening_context
-        from .store import ObserveOptions
 
         with contextlib.ExitStack() as stack:
             for mark in marks:
@@ -82,7 +81,8 @@ class ExportSession:
         try:
             return ObserveOptions.from_kwargs(kwargs, where)
         except TypeError as e:
-            pytest.fail(str(e), pytrace=False)
+            message = str(e)
+        pytest.fail(message, pytrace=False)
 
     def _fixture_value(self, item: pytest.Item, fixture: str) -> Any:
         funcargs = getattr(item, "funcargs", {})
@@ -97,7 +97,8 @@ class ExportSession:
         try:
             return stack.enter_context(self.store.observe(module, default, options, item.nodeid))
         except (TypeError, ValueError) as e:
-            pytest.fail(f"exportobs: {e}", pytrace=False)
+            message = f"exportobs: {e}"
+        pytest.fail(message, pytrace=False)
 
     # -- finishing --------------------------------------------------------------------------------
     def check_local(self, progress: Callable[[str], None] | None = None) -> None:
@@ -135,14 +136,23 @@ class ExportSession:
             self.results[name] = _incomplete(name, "the process that observed it ended without a result "
                                                    "(crashed worker?)")
         results = [self.results[n] for n in sorted(self.results)]
+        if self.settings.baseline_update and self.settings.baseline is not None:
+            # The new baseline is what this session is judged by: failures become known ones.
+            self.baseline = Baseline.from_results(results)
+            self._write(f"baseline {self.settings.baseline}", lambda: self.baseline.write(self.settings.baseline))
         self.gate = gate(self.baseline, results, self.settings.strict)
         if self.settings.report is not None:
             from .reports import write_reports
 
-            write_reports(self.settings.report, results, self.gate, environment())
-        if self.settings.baseline_update and self.settings.baseline is not None:
-            Baseline.from_results(results).write(self.settings.baseline)
+            self._write(f"report {self.settings.report}",
+                        lambda: write_reports(self.settings.report, results, self.gate, environment()))
         return self.gate
+
+    def _write(self, what: str, write: Callable[[], Any]) -> None:
+        try:
+            write()
+        except OSError as e:
+            self.problems.append(f"exportobs: could not write the {what}: {e}")
 
     def _load_baseline(self) -> Baseline | None:
         path = self.settings.baseline
@@ -150,9 +160,9 @@ class ExportSession:
             if self.settings.baseline_update:
                 raise pytest.UsageError("--export-baseline-update needs --export-baseline PATH (or ini export_baseline)")
             return None
+        if self.settings.baseline_update:
+            return None  # replaced at the end; an unreadable old file is no reason to stop
         if not path.exists():
-            if self.settings.baseline_update:
-                return None
             raise pytest.UsageError(f"export baseline {path} does not exist: create it with --export-baseline-update")
         try:
             return Baseline.load(path)
@@ -179,7 +189,3 @@ def environment() -> dict[str, str]:
 
 def _incomplete(name: str, reason: str) -> ModelResult:
     return ModelResult(name=name, verdict=INCOMPLETE, stage="observe", kind="incomplete", reason=reason)
-
-
-def elapsed_since(begin: float) -> str:
-    return f"{time.perf_counter() - begin:.1f}s"

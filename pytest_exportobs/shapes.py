@@ -118,6 +118,13 @@ class ShapeModel:
             keys = [f"{self.aligned.leaf_names[leaf]}:{dim}" for leaf, dim in var.axes]
             var.name = next((overrides[k] for k in keys if k in overrides), overrides.get(var.name, var.name))
             by_index[str(index)] = var.name
+        named = [v.name for v in self.variables]
+        clashes = sorted({n for n in named if named.count(n) > 1})
+        if clashes:  # one name for two variables would silently tie them in torch.export
+            raise ValueError(
+                f"dim_names {overrides} gives the name(s) {clashes} to several independent "
+                f"dimensions; names after overriding: {named}"
+            )
         # terms sorted by name: one spelling of a relation whatever the order of the inputs
         self.relations = [
             Relation(by_index[r.derived], tuple(sorted(by_index[t] for t in r.terms)), r.constant)
@@ -150,17 +157,22 @@ class ShapeModel:
     # -- renderers ------------------------------------------------------------------------------
     def to_dynamic_shapes(self, named: bool = False) -> tuple[Any, ...] | dict[str, Any]:
         """Dynamic shapes in the arguments' structure: ``Dim.DYNAMIC`` per dynamic dimension
-        (seed form), or with ``named=True`` one named ``torch.export.Dim`` per variable."""
+        (seed form), or with ``named=True`` one named ``torch.export.Dim`` per variable.
+        A leaf that is no tensor (``None``, int, str inside a nest) gets ``None``."""
         if not named:
             flat = [dict.fromkeys(axes, torch.export.Dim.DYNAMIC) for axes in self.leaf_axes()]
         else:
             dims = self.export_dims()
             flat = [{d: dims[n] for d, n in axes.items()} for axes in self.leaf_axes()]
-        return self.aligned.structure(flat)
+        return self.aligned.structure(self._tensors_only(flat))
 
     def to_axis_names(self) -> tuple[Any, ...] | dict[str, Any]:
         """Dynamic shapes with variable names as strings (``torch.onnx.export`` axis names)."""
-        return self.aligned.structure(self.leaf_axes())
+        return self.aligned.structure(self._tensors_only(self.leaf_axes()))
+
+    def _tensors_only(self, per_leaf: list[dict[int, Any]]) -> list[dict[int, Any] | None]:
+        """``per_leaf`` with ``None`` for the leaves that are no tensor (torch.export wants that)."""
+        return [axes if self.aligned.is_tensor_leaf(leaf) else None for leaf, axes in enumerate(per_leaf)]
 
     def export_dims(self) -> dict[str, Any]:
         """One named ``torch.export.Dim`` per variable.

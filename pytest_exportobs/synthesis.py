@@ -112,9 +112,11 @@ def _recipe(shapes: ShapeModel, leaf: int) -> Recipe:
     if dtype == torch.bool or (low >= 0 and high <= 1):
         return Recipe("ones" if low == 1 else "mask", dtype)
     offsets = [_arange_offset(t) for _, t in tensors]
-    if all(o is not None for o in offsets) and any(t.shape[-1] > 1 for _, t in tensors):
+    if all(o is not None for o in offsets):
+        # Rows of length 1 (decode steps) are arange-like only when they follow a variable.
         var = _matching_variable(shapes, [i for i, _ in tensors], offsets)
-        return Recipe("arange", dtype, low=offsets[0] if var is None else 0, offset_var=var)
+        if var is not None or any(t.shape[-1] > 1 for _, t in tensors):
+            return Recipe("arange", dtype, low=offsets[0] if var is None else 0, offset_var=var)
     return Recipe("int", dtype, low, high)
 
 

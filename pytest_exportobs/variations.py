@@ -24,13 +24,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from random import Random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .shapes import ShapeModel
 from .synthesis import Recipe, build_leaves, complete_sizes, free_variables, leaf_shapes, recipes
-from .verify import Discrepancy, Tolerance, compare
+from .verify import Discrepancy, Tolerance, run_and_compare
+
+if TYPE_CHECKING:
+    import hypothesis
 
 MAX_ELEMENTS = 1_000_000  # elements of the largest generated input
 MAX_SIZE = 512  # largest size drawn for any variable
@@ -114,7 +117,7 @@ def explore(
     return trials.outcome(minimal)
 
 
-@dataclass
+@dataclass(repr=False)  # hypothesis describes its condition with repr(): keep the tensors out
 class _Trials:
     """Runs each example once (by its sizes) and remembers the order and the verdicts."""
 
@@ -154,12 +157,7 @@ class _Trials:
             expected = self.eager(detached_clone(leaves))
         except Exception:  # eager rejects these sizes: not the export's fault
             return None
-        try:
-            actual = self.run(leaves)
-        except Exception as e:  # the exported model fails on a valid example
-            message = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-            return Discrepancy(0, False, "error", math.inf, math.inf, detail=f"{type(e).__name__}: {message}")
-        return compare(actual, expected, self.tolerance)
+        return run_and_compare(self.run, leaves, expected, self.tolerance)
 
     def outcome(self, minimal: Sizes | None) -> VariationOutcome:
         invalid = sum(v is None for v in self.verdicts)
@@ -187,7 +185,7 @@ def _largest_input(shapes: ShapeModel, free: Sizes) -> int:
     return max(leaf_sizes, default=0)
 
 
-def _settings(examples: int, seed: int | None, database_dir: Path) -> Any:
+def _settings(examples: int, seed: int | None, database_dir: Path) -> hypothesis.settings:
     """hypothesis settings: no deadline, no targeting or explaining (bounded time); a directory
     database unless derandomized (a seed, or ``CI=true``)."""
     from hypothesis import Phase, Verbosity, settings

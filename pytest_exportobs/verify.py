@@ -155,16 +155,27 @@ def verify_calls(
     tolerance: Tolerance,
 ) -> list[Discrepancy]:
     """Run every aligned call (absent inputs as empty tensors) and compare with its reference."""
-    results = []
-    for index, reference in enumerate(references):
-        try:
-            actual = run(aligned.filled_leaves(index))
-        except Exception as e:  # a failing run is a verdict on this call, not a crash
-            results.append(Discrepancy(index, False, "error", math.inf, math.inf,
-                                       detail=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"))
-            continue
-        results.append(compare(actual, reference, tolerance, index))
-    return results
+    return [
+        run_and_compare(run, aligned.filled_leaves(index), reference, tolerance, index)
+        for index, reference in enumerate(references)
+    ]
+
+
+def run_and_compare(
+    run: Callable[[Sequence[Any]], Sequence[Any]],
+    leaves: Sequence[Any],
+    reference: Sequence[torch.Tensor | None],
+    tolerance: Tolerance,
+    index: int = 0,
+) -> Discrepancy:
+    """Run the exported model on ``leaves`` and compare; a run that raises is an ``error``
+    verdict on this call, not a crash."""
+    try:
+        actual = run(leaves)
+    except Exception as e:
+        message = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        return Discrepancy(index, False, "error", math.inf, math.inf, detail=f"{type(e).__name__}: {message}")
+    return compare(actual, reference, tolerance, index)
 
 
 def discrepancy_rows(

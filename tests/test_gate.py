@@ -1,0 +1,124 @@
+"""The baseline gate in real pytest sessions: record, known failure, regression, fix; with -n 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+MODELS = '''
+import torch
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.l1(x)
+
+class Branchy(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return -x
+'''
+
+TESTS = '''
+import os
+import pytest, torch
+from models import MLP, Branchy
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return MLP().eval()
+
+@pytest.mark.observe_export("mlp")
+def test_mlp(mlp):
+    mlp(torch.randn(2, 8))
+    if not os.environ.get("STATIC_MLP"):
+        mlp(torch.randn(5, 8))
+
+def test_branchy(export_observer):
+    model = export_observer.watch(Branchy(), name="branchy")
+    model(torch.randn(2, 4))
+    model(torch.randn(3, 4))
+'''
+
+ARGS = ("--export-check", "--export-target=torch", "--export-baseline=baseline.json", "--export-examples=0", "-p", "no:cacheprovider", "-rA")
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_record_gate_break_and_fix(pytester: pytest.Pytester, workers: list[str]) -> None:
+    pytester.makepyfile(models=MODELS, test_models=TESTS)
+
+    recorded = pytester.runpytest_subprocess(*ARGS, "--export-baseline-update", *workers)
+    assert recorded.ret == 0
+    baseline = json.loads((pytester.path / "baseline.json").read_text())
+    assert {name: entry["verdict"] for name, entry in baseline["models"].items()} == {
+        "branchy": "failed", "mlp": "passed"}
+    assert baseline["models"]["mlp"]["dims"] == {"x": {"0": "x_dim0"}}
+
+    again = pytester.runpytest_subprocess(*ARGS, *workers)
+    assert again.ret == 0
+    again.assert_outcomes(passed=3, xfailed=1)
+    again.stdout.fnmatch_lines(["exportobs gate: ok (1 passed, 1 known failure, 0 regressions)"])
+
+    working = (pytester.path / "models.py").read_text()
+    pytester.makepyfile(models=working.replace("return self.l1(x)", "return self.l1(x) if x.sum() > 0 else x[:, :4]"))
+    broken = pytester.runpytest_subprocess(*ARGS, *workers)
+    assert broken.ret == 1
+    broken.assert_outcomes(passed=2, failed=1, xfailed=1)
+    broken.stdout.fnmatch_lines(["exportobs gate: 1 regression (mlp: passed→failed at torch.export)"])
+
+    pytester.makepyfile(models=working)
+    fixed = pytester.runpytest_subprocess(*ARGS, *workers)
+    assert fixed.ret == 0
+    assert (pytester.path / "baseline.json").read_text() == json.dumps(baseline, indent=2, sort_keys=True) + "\n"
+
+
+def test_dim_that_becomes_static_is_a_regression(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makepyfile(models=MODELS, test_models=TESTS)
+    assert pytester.runpytest_subprocess(*ARGS, "--export-baseline-update").ret == 0
+    monkeypatch.setenv("STATIC_MLP", "1")
+    result = pytester.runpytest_subprocess(*ARGS)
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["exportobs gate: 1 regression (mlp: dim x.0 (x_dim0) became static)"])
+
+
+def test_fixed_model_is_xpassed_and_fails_when_strict(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(models=MODELS, test_models=TESTS)
+    entry = {"verdict": "failed", "stage": "torch.export", "dims": {}, "relations": [], "max_abs": None,
+             "atol": None, "rtol": None, "opset": None, "op_counts": {}}
+    (pytester.path / "baseline.json").write_text(json.dumps(
+        {"schema_version": 1, "env": {}, "models": {"mlp": entry, "branchy": entry, "gone": entry}}))
+    result = pytester.runpytest_subprocess(*ARGS)
+    assert result.ret == 0
+    result.assert_outcomes(passed=2, xfailed=1, xpassed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*fixed: mlp*--export-baseline-update*"])
+    strict = pytester.runpytest_subprocess(*ARGS, "--export-strict")
+    assert strict.ret == 1
+    strict.assert_outcomes(passed=2, failed=2, xfailed=1)
+
+
+@pytest.mark.parametrize("content", ['{"schema_version": 1, "models": {"mlp": {"verd', "not json at all", '{"schema_version": 99, "models": {}}'],
+                         ids=["truncated", "not-json", "schema"])
+def test_bad_baseline_is_a_usage_error_and_stays_untouched(pytester: pytest.Pytester, content: str) -> None:
+    pytester.makepyfile(models=MODELS, test_models=TESTS)
+    path = pytester.path / "baseline.json"
+    path.write_text(content)
+    result = pytester.runpytest_subprocess(*ARGS)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*baseline.json*"])
+    assert path.read_text() == content
+
+
+def test_reports_are_written(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(models=MODELS, test_models=TESTS)
+    result = pytester.runpytest_subprocess("--export-check", "--export-examples=0", "--export-report=out/report.json",
+                                           "-p", "no:cacheprovider")
+    assert result.ret == 1
+    report = json.loads((pytester.path / "out" / "report.json").read_text())
+    assert sorted(m["name"] for m in report["models"]) == ["branchy", "mlp"]
+    assert "| mlp | passed |" in (pytester.path / "out" / "report.md").read_text()

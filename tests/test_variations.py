@@ -1,0 +1,258 @@
+"""Hypothesis shape variations: generated sizes, invalid examples, shrinking, seeds, database."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils import _pytree
+
+from pytest_exportobs import InputObserver, ShapeModel
+from pytest_exportobs.variations import Leaves, VariationOutcome, explore, size_ranges
+from pytest_exportobs.verify import OnnxRunner, Tolerance
+
+
+class OddBatchShift(torch.nn.Module):
+    """Branches on the batch parity: the export keeps the branch of its even example."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] % 2 == 1:
+            x = x + 1
+        return x * 2
+
+
+class Decoder(torch.nn.Module):
+    """A decode step that rejects position ids not following its cache."""
+
+    def forward(self, x: torch.Tensor, past: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        expected = torch.arange(past.shape[1], past.shape[1] + x.shape[1]).expand_as(position_ids)
+        if not torch.equal(position_ids, expected):
+            raise ValueError("position ids do not follow the cache")
+        return torch.cat([past, x], dim=1) * 2
+
+
+def observe(module: torch.nn.Module, *calls: tuple, dim_names: dict[str, str] | None = None) -> ShapeModel:
+    observer = InputObserver()
+    with observer(module), torch.no_grad():
+        for args in calls:
+            module(*args)
+    return ShapeModel.from_aligned(observer.aligned(), None, dim_names)
+
+
+def eager_of(module: torch.nn.Module) -> Callable[[Leaves], list[torch.Tensor]]:
+    def eager(leaves: Leaves) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [module(*leaves)]
+
+    return eager
+
+
+def onnx_runner(module: torch.nn.Module, shapes: ShapeModel, dynamic_shapes: Any) -> OnnxRunner:
+    args, _ = shapes.example_arguments()
+    return OnnxRunner(torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False))
+
+
+def run_explore(
+    shapes: ShapeModel, eager: Callable, run: Callable, database_dir: Path, examples: int = 8, seed: int | None = 0
+) -> VariationOutcome:
+    return explore(eager=eager, run=run, shapes=shapes, tolerance=Tolerance(), examples=examples, seed=seed,
+                   database_dir=database_dir)
+
+
+@pytest.fixture(scope="module")
+def mlp() -> tuple[torch.nn.Module, ShapeModel, OnnxRunner]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    shapes = observe(
+        model, (torch.randn(2, 5, 8),), (torch.randn(4, 3, 8),), (torch.randn(3, 6, 8),),
+        dim_names={"input:0": "batch", "input:1": "seq"},
+    )
+    return model, shapes, onnx_runner(model, shapes, shapes.to_dynamic_shapes())
+
+
+def wrong_at_odd_batch(runner: Callable[[Leaves], Sequence[Any]]) -> Callable[[Leaves], list[Any]]:
+    """``runner`` made wrong by +1 when the batch is odd and at least 3."""
+
+    def run(leaves: Leaves) -> list[Any]:
+        batch = leaves[0].shape[0]
+        return [out + 1.0 for out in runner(leaves)] if batch % 2 and batch >= 3 else list(runner(leaves))
+
+    return run
+
+
+def test_mlp_variations_pass_within_bounds(mlp, tmp_path):
+    model, shapes, runner = mlp
+    outcome = run_explore(shapes, eager_of(model), runner, tmp_path)
+    ranges = size_ranges(shapes)
+    assert ranges == {"batch": (2, 8), "seq": (2, 12)}
+    assert outcome.tried >= 1 and outcome.valid == outcome.tried == len(outcome.examples)
+    assert (outcome.invalid, outcome.failed, outcome.failing_sizes, outcome.failing_leaves) == (0, 0, None, None)
+    for sizes in outcome.examples:
+        assert all(ranges[name][0] <= size <= ranges[name][1] for name, size in sizes.items())
+
+
+def test_failure_shrinks_to_smallest_sizes(mlp, tmp_path):
+    model, shapes, runner = mlp
+    outcome = run_explore(shapes, eager_of(model), wrong_at_odd_batch(runner), tmp_path)
+    assert outcome.failed >= 1
+    assert outcome.failing_sizes == {"batch": 3, "seq": 2}
+    assert [tuple(t.shape) for t in outcome.failing_leaves] == [(3, 2, 8)]
+    assert outcome.max_abs == pytest.approx(1.0, abs=1e-5)
+    assert "beyond atol" in outcome.detail
+    summary = outcome.to_json()
+    assert "failing_leaves" not in summary and json.loads(json.dumps(summary)) == summary
+
+
+def test_real_onnx_wrong_only_at_odd_batch(tmp_path):
+    model = OddBatchShift().eval()
+    shapes = observe(model, (torch.randn(2, 3),), (torch.randn(4, 3),), dim_names={"x:0": "batch"})
+    runner = onnx_runner(model, shapes, ({0: torch.export.Dim.AUTO},))
+    outcome = run_explore(shapes, eager_of(model), runner, tmp_path, examples=10)
+    assert outcome.examples[0] == {"batch": 2}  # even batches pass: the recorded calls never hit the bug
+    assert outcome.failing_sizes == {"batch": 3}
+    assert outcome.max_abs == pytest.approx(2.0)
+    assert tuple(outcome.failing_leaves[0].shape) == (3, 3)
+
+
+def test_same_seed_same_examples(mlp, tmp_path):
+    model, shapes, runner = mlp
+    first, second = (
+        run_explore(shapes, eager_of(model), wrong_at_odd_batch(runner), tmp_path / name, seed=7)
+        for name in ("a", "b")
+    )
+    assert first.examples == second.examples and len(first.examples) >= 2
+    assert first.to_json() == second.to_json()
+
+
+def test_ci_derandomizes_without_database(mlp, tmp_path, monkeypatch):
+    model, shapes, runner = mlp
+    monkeypatch.setenv("CI", "true")
+    first, second = (
+        run_explore(shapes, eager_of(model), wrong_at_odd_batch(runner), tmp_path / "db", seed=None)
+        for _ in range(2)
+    )
+    assert first.to_json() == second.to_json() and first.failing_sizes == {"batch": 3, "seq": 2}
+    assert not (tmp_path / "db").exists()
+
+
+def test_database_replays_the_failure_first(mlp, tmp_path, monkeypatch):
+    model, shapes, runner = mlp
+    monkeypatch.delenv("CI", raising=False)
+    first, second = (
+        run_explore(shapes, eager_of(model), wrong_at_odd_batch(runner), tmp_path, seed=None, examples=20)
+        for _ in range(2)
+    )
+    assert first.failing_sizes == second.failing_sizes == {"batch": 3, "seq": 2}
+    assert second.examples[0] == first.failing_sizes
+
+
+def test_eager_errors_make_invalid_examples_never_failures(mlp, tmp_path):
+    model, shapes, runner = mlp
+
+    def picky(leaves: Leaves) -> list[torch.Tensor]:
+        if leaves[0].shape[1] > 6:
+            raise ValueError("sequence too long for this model")
+        return eager_of(model)(leaves)
+
+    outcome = run_explore(shapes, picky, runner, tmp_path, examples=12)
+    assert outcome.invalid >= 1 and outcome.failed == 0 and outcome.failing_sizes is None
+    assert outcome.valid + outcome.invalid == outcome.tried
+
+
+def test_exported_model_errors_fail_the_example(mlp, tmp_path):
+    model, shapes, runner = mlp
+
+    def crashes_from_batch_5(leaves: Leaves) -> Sequence[Any]:
+        if leaves[0].shape[0] >= 5:
+            raise RuntimeError("kernel failed\nsecond line")
+        return runner(leaves)
+
+    outcome = run_explore(shapes, eager_of(model), crashes_from_batch_5, tmp_path, examples=12)
+    assert outcome.failing_sizes == {"batch": 5, "seq": 2}
+    assert outcome.max_abs is None and outcome.detail == "RuntimeError: kernel failed"
+
+
+def test_static_inputs_have_nothing_to_explore(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    shapes = observe(model, (torch.randn(2, 3),))
+    outcome = run_explore(shapes, eager_of(model), lambda leaves: pytest.fail("nothing to run"), tmp_path)
+    assert (outcome.tried, outcome.examples, outcome.failing_sizes) == (0, [], None)
+
+
+def test_size_ranges_include_observed_small_sizes_and_cap_elements():
+    identity = torch.nn.Identity()
+    small = observe(identity, (torch.randn(1, 2),), (torch.randn(2, 3),))
+    assert size_ranges(small) == {"input_dim0": (1, 8), "input_dim1": (2, 8)}
+    large = observe(identity, (torch.randn(2, 200, 300),), (torch.randn(3, 400, 300),))
+    ranges = size_ranges(large)
+    assert ranges["input_dim0"][0] == 2 and ranges["input_dim1"][0] == 2
+    assert ranges["input_dim0"][1] <= 8 and ranges["input_dim1"][1] <= 512
+    assert math.prod(high for _, high in ranges.values()) * 300 <= 1_000_000
+
+
+def test_position_ids_of_decode_steps_stay_arange_like(tmp_path):
+    decoder = Decoder()
+    calls = [
+        (torch.randn(batch, 1, 4), torch.randn(batch, past, 4), torch.full((batch, 1), past))
+        for batch, past in ((2, 3), (3, 5), (2, 6))
+    ]
+    shapes = observe(decoder, *calls)
+    outcome = run_explore(shapes, eager_of(decoder), eager_of(decoder), tmp_path, examples=10)
+    assert outcome.tried >= 2 and outcome.invalid == 0 and outcome.failed == 0
+
+
+@pytest.mark.slow
+def test_tiny_llama_variations(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from pytest_exportobs.export import ExportSettings, export_model
+    from pytest_exportobs.pytrees import make_dynamic_cache, register_flattening_functions
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100, max_position_embeddings=256,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+
+    def step(batch: int, past: int, seq: int) -> dict[str, Any]:
+        inputs = {
+            "input_ids": torch.randint(0, 100, (batch, seq)),
+            "attention_mask": torch.ones(batch, past + seq, dtype=torch.int64),
+            "position_ids": torch.arange(past, past + seq).expand(batch, seq),
+        }
+        if past:
+            pairs = [(torch.randn(batch, 2, past, 16), torch.randn(batch, 2, past, 16)) for _ in range(2)]
+            inputs["past_key_values"] = make_dynamic_cache(pairs)
+        return inputs
+
+    observer = InputObserver()
+    with register_flattening_functions(), torch.no_grad():
+        with observer(model):
+            for batch, past, seq in ((2, 0, 7), (2, 7, 1), (3, 8, 1)):
+                model(**step(batch, past, seq))
+        shapes = ShapeModel.from_aligned(observer.aligned(), None, True)
+        exported = export_model(model, shapes, ExportSettings(), tmp_path / "model.onnx")
+        assert exported.ok, exported.reason
+        runner, generated = OnnxRunner(Path(exported.onnx_path)), []
+
+        def eager(leaves: Leaves) -> list[Any]:
+            args, kwargs = shapes.aligned.split_arguments(leaves)
+            return [t.detach() if hasattr(t, "detach") else None for t in _pytree.tree_leaves(model(*args, **kwargs))]
+
+        def run(leaves: Leaves) -> Sequence[Any]:
+            generated.append(dict(zip(shapes.aligned.leaf_names, leaves)))
+            return runner(leaves)
+
+        outcome = run_explore(shapes, eager, run, tmp_path / "db", examples=10)
+    assert outcome.invalid == 0 and outcome.failed == 0 and outcome.valid == outcome.tried >= 2
+    for leaves in generated:
+        batch, seq = leaves["input_ids"].shape
+        past = leaves["past_key_values.key_0"].shape[2]
+        assert leaves["attention_mask"].shape == (batch, past + seq)
+        assert 0 <= int(leaves["input_ids"].min()) and int(leaves["input_ids"].max()) < 100
+        assert torch.equal(leaves["position_ids"], torch.arange(past, past + seq).expand(batch, seq))
