@@ -159,13 +159,16 @@ class AlignedCalls:
         return _pytree.tree_unflatten(list(leaves[slot.start : slot.stop]), slot.spec)
 
 
+def spec_children(spec: _pytree.TreeSpec) -> list[_pytree.TreeSpec]:
+    """The child specs (``children()`` replaces the deprecated ``children_specs`` in torch 2.10)."""
+    return list(spec.children()) if hasattr(spec, "children") else list(spec.children_specs)
+
+
 def spec_structure(spec: _pytree.TreeSpec, leaves: Any) -> Any:
     """Rebuild ``spec`` with ``leaves``, custom classes becoming the list of their children."""
     if spec.is_leaf():
         return next(leaves)
-    # ``children()`` replaces the deprecated ``children_specs`` (torch >= 2.10)
-    child_specs = spec.children() if hasattr(spec, "children") else spec.children_specs
-    children = [spec_structure(child, leaves) for child in child_specs]
+    children = [spec_structure(child, leaves) for child in spec_children(spec)]
     if spec.type is dict:
         return dict(zip(spec.context, children))
     if spec.type is tuple:

@@ -128,10 +128,13 @@ def _example(module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome
     the module eagerly), else the richest recorded call, exported size-oblivious.
     """
     if shapes.safe_call() is None:
+        from .observer import detached_clone
+
         args, kwargs = shapes.example_arguments()
+        copy_args, copy_kwargs = detached_clone((args, kwargs))  # the call grows caches in place
         try:
             with torch.no_grad():
-                module(*args, **kwargs)
+                module(*copy_args, **copy_kwargs)
         except Exception as e:
             outcome.notes.append(f"synthesized example rejected by eager ({type(e).__name__}); using a recorded call")
         else:
@@ -154,17 +157,31 @@ def _torch_export(
     config = (
         torch.fx.experimental._config.patch(backed_size_oblivious=True) if small else contextlib.nullcontext()
     )
+    named = shapes.to_dynamic_shapes(named=True)
     with config:
         try:
-            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes.to_dynamic_shapes(named=True))
+            return torch.export.export(module, args, kwargs, dynamic_shapes=named)
         except torch._dynamo.exc.UserError as e:
-            if "Constraints violated" not in str(e) and "constraint" not in str(e).lower():
+            if "Constraints violated" not in str(e):
                 raise
+            rejection = e
+        try:  # torch's suggested fixes: derived dims (total = past + seq), ranges (seq <= 128)
+            refined = torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(rejection.msg, named)
+            program = torch.export.export(module, args, kwargs, dynamic_shapes=refined)
+        except Exception:
             outcome.notes.append(
-                "torch.export rejected the named dims "
-                f"({_first_line(str(e))}): exported with independent Dim.DYNAMIC dims"
+                f"torch.export rejected the named dims ({_first_line(str(rejection))}): "
+                "exported with independent Dim.DYNAMIC dims"
             )
             return torch.export.export(module, args, kwargs, dynamic_shapes=shapes.to_dynamic_shapes())
+        outcome.notes.append(f"named dims refined with torch's suggested fixes: {_suggested_fixes(rejection.msg)}")
+        return program
+
+
+def _suggested_fixes(message: str) -> str:
+    """The ``name = expression`` lines torch suggests after 'Suggested fixes:'."""
+    fixes = message.partition("Suggested fixes:")[2]
+    return "; ".join(line.strip() for line in fixes.splitlines() if "=" in line) or "none listed"
 
 
 # The two steps ``torch.onnx.export(exported_program)`` runs, called apart so that each is timed

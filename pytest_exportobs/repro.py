@@ -20,6 +20,7 @@ import torch
 from torch.utils import _pytree
 
 from .observer import flattening_context
+from .alignment import spec_children
 from .shapes import ShapeModel
 
 STAGES = ("torch.export", "decompose", "onnx-translate", "onnx-checker", "ort-load", "verify", "variations")
@@ -299,7 +300,7 @@ def _uses_transformers(cls: type, spec: _pytree.TreeSpec) -> bool:
 def _node_types(spec: _pytree.TreeSpec) -> list[type]:
     if spec.is_leaf():
         return []
-    return [spec.type, *(t for child in spec.children() for t in _node_types(child))]
+    return [spec.type, *(t for child in spec_children(spec) for t in _node_types(child))]
 
 
 def _size_oblivious(shapes: ShapeModel, leaves: list[Any]) -> bool:

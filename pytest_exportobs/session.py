@@ -31,6 +31,7 @@ class ExportSession:
         self.settings = settings
         self.results: dict[str, ModelResult] = {}
         self.observed: set[str] = set()  # group names seen in test reports (controller side)
+        self.checked_on: dict[str, str] = {}  # group name -> worker that sent its result
         self.gate: Gate | None = None
         self.problems: list[str] = []  # files that could not be written
         self.baseline = self._load_baseline() if not is_worker(config) else None
@@ -124,8 +125,9 @@ class ExportSession:
         """Merge a worker's results; a model checked on two workers is incomplete, not guessed."""
         for data in (output or {}).get("results", []):
             result = ModelResult.from_json(data)
-            if result.name in self.results:
-                result = _incomplete(result.name, f"observed on several workers ({worker} and another): "
+            first = self.checked_on.setdefault(result.name, worker)
+            if first != worker:
+                result = _incomplete(result.name, f"observed on workers {first} and {worker}: "
                                      "the observations of one model must stay on one worker "
                                      "(run with --dist load or loadgroup)")
             self.results[result.name] = result

@@ -15,12 +15,14 @@ function of its sizes only, so a replayed example is the very same inputs.
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import json
 import math
 import os
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from random import Random
@@ -108,13 +110,27 @@ def explore(
         {name: strategies.integers(low, high) for name, (low, high) in ranges.items()}
     )
     try:
-        minimal = find(
-            strategy, trials.fails, settings=_settings(examples, seed, database_dir),
-            random=None if seed is None else Random(seed), database_key=_database_key(shapes),
-        )
+        with _hypothesis_home(database_dir):
+            minimal = find(
+                strategy, trials.fails, settings=_settings(examples, seed, database_dir / "examples"),
+                random=None if seed is None else Random(seed), database_key=_database_key(shapes),
+            )
     except (NoSuchExample, Unsatisfiable):  # every valid example passed, or none was valid
         minimal = None
     return trials.outcome(minimal)
+
+
+@contextlib.contextmanager
+def _hypothesis_home(directory: Path) -> Iterator[None]:
+    """Keep what hypothesis stores on its own (its constants cache) in the export directory."""
+    from hypothesis import configuration
+
+    previous = configuration.storage_directory(intent_to_write=False).home_directory
+    configuration.set_hypothesis_home_dir(directory)
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(previous)
 
 
 @dataclass(repr=False)  # hypothesis describes its condition with repr(): keep the tensors out
