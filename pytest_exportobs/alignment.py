@@ -9,7 +9,9 @@ leaf of its slot.  Downstream code (shape inference, export, verification) only 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,7 @@ from torch.utils import _pytree
 from .strings import string_type
 
 CONSTANT_TYPES = (int, float, bool, str)
+SEQUENCE_AXIS_BY_RANK = {1: 0, 2: 1, 3: 1, 4: 2}
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class AlignedCalls:
     positional: bool
     kwargs_name: str | None = None
     missing_dims: dict[int, int] = field(default_factory=dict)
+    kept: list[int] = field(default_factory=list)  # index of each aligned call among the recorded ones
+    notes: list[str] = field(default_factory=list)
 
     @property
     def n_calls(self) -> int:
@@ -83,28 +88,31 @@ class AlignedCalls:
         """Whether the leaf holds a tensor in some call (else a constant or ``None`` leaf)."""
         return any(isinstance(call[leaf], torch.Tensor) for call in self.calls)
 
-    def filled_leaves(self, index: int) -> list[Any]:
-        """The leaves of call ``index``, absent tensors replaced by empty stand-ins.
-
-        A ``None`` leaf never holding a tensor (torch >= 2.13 flattens ``None`` as a leaf)
-        stays ``None``.
-        """
+    def absent_slots(self, index: int) -> list[str]:
+        """Names of the inputs call ``index`` lacked (stood in for by empty tensors)."""
         return [
-            self._stand_in(leaf) if value is None and leaf in self.missing_dims else value
-            for leaf, value in enumerate(self.calls[index])
+            s.name for s in self.slots
+            if any(self.calls[index][leaf] is None and leaf in self.missing_dims for leaf in range(s.start, s.stop))
         ]
 
-    def _stand_in(self, leaf: int) -> torch.Tensor:
-        reference = next(call[leaf] for call in self.calls if call[leaf] is not None)
-        shape = list(reference.shape)
-        shape[self.missing_dims[leaf]] = 0
-        return torch.empty(shape, dtype=reference.dtype, device=reference.device)
+    def reference_tensor(self, leaf: int) -> torch.Tensor:
+        """A recorded tensor of the leaf (its dtype, device and static sizes)."""
+        return next(call[leaf] for call in self.calls if isinstance(call[leaf], torch.Tensor))
 
-    def split_arguments(self, leaves: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``(args, kwargs)`` to call the method with, rebuilt from flat leaves."""
+    def constants(self) -> dict[str, Any]:
+        """The constant (non-tensor) arguments the calls share, by name."""
+        return {s.name: s.constant for s in self.slots if s.is_constant}
+
+    def split_arguments(
+        self, leaves: Sequence[Any], constants: bool = True
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` to call the method with, rebuilt from flat leaves (without the
+        constant arguments when ``constants`` is false)."""
         args: list[Any] = []
         kwargs: dict[str, Any] = {}
         for slot in self.slots:
+            if slot.is_constant and not constants:
+                continue
             value = self._slot_value(slot, leaves)
             if slot.var_positional:
                 args.extend(value)
@@ -124,10 +132,10 @@ class AlignedCalls:
         star = next(i for i, s in enumerate(self.slots) if s.var_positional)
         return names.index(name) < star
 
-    def arguments(self, index: int) -> tuple[Any, ...] | dict[str, Any]:
-        """Seed form of the arguments of call ``index``: a tuple when every call was
+    def arguments(self, leaves: Sequence[Any]) -> tuple[Any, ...] | dict[str, Any]:
+        """Seed form of the arguments rebuilt from flat leaves: a tuple when every call was
         positional, else a dict in signature order."""
-        args, kwargs = self.split_arguments(self.filled_leaves(index))
+        args, kwargs = self.split_arguments(leaves)
         if not kwargs:
             return args
         if args:
@@ -137,18 +145,23 @@ class AlignedCalls:
             )
         return kwargs
 
-    def structure(self, per_leaf: Sequence[Any]) -> tuple[Any, ...] | dict[str, Any]:
+    def structure(self, per_leaf: Sequence[Any], constants: bool = True) -> tuple[Any, ...] | dict[str, Any]:
         """Arrange one value per flat leaf (e.g. dynamic shapes) like the arguments, with
-        registered classes as lists of their flattened children, constants as ``None``."""
+        registered classes as lists of their flattened children, constants as ``None``.
+
+        With ``constants`` false (the signature of :class:`~.export.BoundConstants`), constant
+        arguments are left out and extra keywords are not nested under ``**kwargs``.
+        """
         values: dict[str, Any] = {}
         for slot in self.slots:
             if slot.is_constant:
-                values[slot.name] = None
+                if constants:
+                    values[slot.name] = None
             else:
                 values[slot.name] = spec_structure(slot.spec, iter(per_leaf[slot.start : slot.stop]))
         if self.positional:
             return tuple(values.values())
-        extra = {s.name: values.pop(s.name) for s in self.slots if s.var_keyword}
+        extra = {s.name: values.pop(s.name) for s in self.slots if s.var_keyword and constants and s.name in values}
         if extra:
             values[self.kwargs_name] = extra
         return values
@@ -193,11 +206,15 @@ def align_calls(
     calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     signature: inspect.Signature,
     value_if_missing: dict[str | int, Any] | None = None,
+    keep_majority: bool = False,
 ) -> AlignedCalls:
     """Bind every call to ``signature`` and line the calls up on flat leaves.
 
     Raises ``ValueError`` naming the argument and the calls when an argument changes structure
-    or rank between calls, or when an absent input has no way to be stood in for.
+    or rank between calls, or when an absent input has no way to be stood in for.  Calls made
+    with different constant arguments (``generate()`` passes ``use_cache=True``, a test does not)
+    cannot share one graph: that is an error too, unless ``keep_majority`` keeps the calls of
+    the most frequent configuration and says which were left out in ``notes``.
     """
     if not calls:
         raise ValueError("no call was recorded")
@@ -205,6 +222,11 @@ def align_calls(
     kwargs_name = next((n for n, p in params.items() if p.kind is p.VAR_KEYWORD), None)
     missing = _missing_by_name(value_if_missing or {}, list(params))
     slots_values = _bind_all(calls, signature)
+    kept, notes = list(range(len(calls))), []
+    if keep_majority:
+        kept, notes = _majority_configuration(slots_values)
+        calls = [calls[i] for i in kept]
+        slots_values = [dataclasses.replace(sv, values=[sv.values[i] for i in kept]) for sv in slots_values]
     positional = not any(kw for _, kw in calls) and not any(s.var_positional for s in slots_values)
     slots: list[Slot] = []
     flat_calls: list[list[Any]] = [[] for _ in calls]
@@ -227,10 +249,37 @@ def align_calls(
             flat.extend(leaves)
     if [s.name for s in slots] != list(params)[: len(slots)]:
         positional = False  # a skipped argument would shift the positions
-    aligned = AlignedCalls(slots, flat_calls, positional, kwargs_name)
+    aligned = AlignedCalls(slots, flat_calls, positional, kwargs_name, kept=kept, notes=notes)
     _check_ranks(aligned)
     aligned.missing_dims = _missing_dims(aligned)
     return aligned
+
+
+def _majority_configuration(slots_values: list[_SlotValues]) -> tuple[list[int], list[str]]:
+    """The calls sharing the most frequent constant arguments (the first seen on a tie), and a
+    note naming what the others passed."""
+    constant = [sv for sv in slots_values if any(isinstance(v, CONSTANT_TYPES) for v in sv.values)]
+    n_calls = len(slots_values[0].values) if slots_values else 0
+
+    def configuration(i: int) -> tuple[str, ...]:
+        return tuple(f"{sv.name}={_shown(sv, sv.values[i])}" for sv in constant)
+
+    counts = Counter(configuration(i) for i in range(n_calls))
+    best = max(counts, key=lambda c: (counts[c], -[configuration(i) for i in range(n_calls)].index(c)))
+    kept = [i for i in range(n_calls) if configuration(i) == best]
+    if len(kept) == n_calls:
+        return kept, []
+    others = sorted({c for i in range(n_calls) if (c := configuration(i)) != best})
+    return kept, [
+        f"{n_calls - len(kept)} of {n_calls} calls left out: their constant arguments "
+        f"({'; '.join(', '.join(c) for c in others)}) differ from the kept calls' ({', '.join(best)})"
+    ]
+
+
+def _shown(sv: _SlotValues, value: Any) -> str:
+    if value is not None:
+        return repr(value)
+    return "absent" if sv.default is inspect.Parameter.empty else f"{sv.default!r} (default)"
 
 
 def _missing_by_name(value_if_missing: dict[str | int, Any], names: list[str]) -> dict[str, Any]:
@@ -331,8 +380,9 @@ def _check_ranks(aligned: AlignedCalls) -> None:
 def _missing_dims(aligned: AlignedCalls) -> dict[int, int]:
     """For every leaf absent from some call, the dimension its empty stand-in has as 0.
 
-    The last dimension that varies across calls (the sequence of a cache, the batch of images);
-    for a 4-d tensor seen with one shape only, the sequence axis of a KV cache (-2).
+    The last dimension other than the first (the batch) that varies across calls: the sequence
+    of a cache or of position ids; else the sequence axis of the usual layouts: ``(batch, seq)``,
+    ``(batch, seq, hidden)``, ``(batch, heads, seq, head_dim)``, ``(seq,)``.
     """
     shapes = aligned.shapes()
     dims: dict[int, int] = {}
@@ -340,11 +390,12 @@ def _missing_dims(aligned: AlignedCalls) -> dict[int, int]:
         seen = [call[leaf] for call in shapes if call[leaf] is not None]
         if len(seen) == len(shapes) or not seen:
             continue
-        varying = [d for d in range(len(seen[0])) if len({s[d] for s in seen}) > 1]
+        rank = len(seen[0])
+        varying = [d for d in range(1, rank) if len({s[d] for s in seen}) > 1]
         if varying:
             dims[leaf] = varying[-1]
-        elif len(seen[0]) == 4:
-            dims[leaf] = 2
+        elif rank in SEQUENCE_AXIS_BY_RANK:
+            dims[leaf] = SEQUENCE_AXIS_BY_RANK[rank]
         else:
             absent = [i for i, call in enumerate(shapes) if call[leaf] is None]
             raise ValueError(

@@ -57,6 +57,7 @@ class ExportOutcome:
     cache_hit: bool = False
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
+    bound: bool = False  # the exported module is a BoundConstants: its inputs are tensors only
 
 
 class StageFailed(Exception):
@@ -86,12 +87,16 @@ class Stages:
 
 
 def export_model(
-    module: torch.nn.Module, shapes: ShapeModel, settings: ExportSettings, onnx_path: Path | None = None
+    module: torch.nn.Module, shapes: ShapeModel, settings: ExportSettings, onnx_path: Path | None = None,
+    method: str = "forward",
 ) -> ExportOutcome:
-    """Export ``module`` called on ``shapes``' example arguments with its dynamic dimensions."""
+    """Export ``module.<method>`` called on ``shapes``' example inputs with its dynamic dimensions."""
     outcome = ExportOutcome(ok=True, stage="torch.export")
     stages = Stages(outcome)
-    args, kwargs, small = _example(module, shapes, outcome)
+    exported = bind_constants(module, method, shapes.aligned)
+    outcome.bound = exported is not module
+    leaves, small = _example(getattr(module, method), shapes, outcome)
+    args, kwargs = shapes.aligned.split_arguments(leaves, constants=not outcome.bound)
     key = None
     if settings.target == "onnx" and settings.cache_dir is not None and onnx_path is not None:
         key = fingerprint(module, shapes, args, kwargs, settings)
@@ -99,7 +104,7 @@ def export_model(
             return outcome
     try:
         with stages.run("torch.export"):
-            program = _torch_export(module, shapes, args, kwargs, small, outcome)
+            program = _torch_export(exported, shapes, args, kwargs, small, outcome)
         outcome.program = program
         if settings.target == "torch":
             return outcome
@@ -121,8 +126,47 @@ def export_model(
     return outcome
 
 
-def _example(module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome) -> tuple[tuple, dict, list[str]]:
-    """Example ``(args, kwargs)`` and the dims that are still 0 or 1 in it.
+class BoundConstants(torch.nn.Module):
+    """``module.<method>`` with the calls' constant arguments bound: torch.export then sees tensor
+    inputs only, under a plain signature (it cannot take a constant collected by ``**kwargs``,
+    as transformers' ``return_dict``)."""
+
+    def __init__(self, module: torch.nn.Module, method: str, constants: dict[str, Any]):
+        super().__init__()
+        self.module = module
+        self.method = method
+        self.constants = constants
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.module, self.method)(*args, **kwargs, **self.constants)
+
+
+def bind_constants(module: torch.nn.Module, method: str, aligned: Any) -> torch.nn.Module:
+    """``module`` itself when its ``forward`` takes the recorded tensors as they are, else a
+    :class:`BoundConstants` whose ``forward`` signature names the tensor arguments."""
+    if method == "forward" and not aligned.constants() and not any(s.var_keyword for s in aligned.slots):
+        return module
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for slot in aligned.slots:
+        if slot.is_constant:
+            continue
+        if slot.var_positional:
+            parameters.append(inspect.Parameter(slot.name, inspect.Parameter.VAR_POSITIONAL))
+            kind = inspect.Parameter.KEYWORD_ONLY
+        else:
+            parameters.append(inspect.Parameter(slot.name, kind))
+
+    def forward(self: BoundConstants, *args: Any, **kwargs: Any) -> Any:
+        return BoundConstants.forward(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    bound_class = type(f"Bound{type(module).__name__}", (BoundConstants,), {"forward": forward})
+    return bound_class(module, method, aligned.constants())
+
+
+def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> tuple[list[Any], list[str]]:
+    """Example leaves and the dims that are still 0 or 1 in them.
 
     A recorded call with every dynamic size >= 2, else synthesized inputs (checked by running
     the module eagerly), else the richest recorded call, exported size-oblivious.
@@ -130,23 +174,22 @@ def _example(module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome
     if shapes.safe_call() is None:
         from .observer import detached_clone
 
-        args, kwargs = shapes.example_arguments()
-        copy_args, copy_kwargs = detached_clone((args, kwargs))  # the call grows caches in place
+        leaves = shapes.example_leaves()
+        args, kwargs = detached_clone(shapes.aligned.split_arguments(leaves))  # the call grows caches in place
         try:
             with torch.no_grad():
-                module(*copy_args, **copy_kwargs)
+                call(*args, **kwargs)
         except Exception as e:
             outcome.notes.append(f"synthesized example rejected by eager ({type(e).__name__}); using a recorded call")
         else:
             outcome.notes.append("no recorded call has every dynamic size >= 2: exported on synthesized inputs")
-            return args, kwargs, []
+            return leaves, []
     index = shapes.safe_call()
     index = shapes.aligned.complete_call() if index is None else index
-    args, kwargs = shapes.aligned.split_arguments(shapes.aligned.filled_leaves(index))
     small = shapes.small_variables(index)
     if small:
         outcome.notes.append(f"dims {', '.join(small)} are 0 or 1 in the example: exported size-oblivious")
-    return args, kwargs, small
+    return shapes.call_leaves(index), small
 
 
 def _torch_export(
@@ -157,7 +200,8 @@ def _torch_export(
     config = (
         torch.fx.experimental._config.patch(backed_size_oblivious=True) if small else contextlib.nullcontext()
     )
-    named = shapes.to_dynamic_shapes(named=True)
+    constants = not isinstance(module, BoundConstants)
+    named = shapes.to_dynamic_shapes(named=True, constants=constants)
     with config:
         try:
             return torch.export.export(module, args, kwargs, dynamic_shapes=named)
@@ -173,7 +217,7 @@ def _torch_export(
                 f"torch.export rejected the named dims ({_first_line(str(rejection))}): "
                 "exported with independent Dim.DYNAMIC dims"
             )
-            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes.to_dynamic_shapes())
+            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes.to_dynamic_shapes(constants=constants))
         outcome.notes.append(f"named dims refined with torch's suggested fixes: {_suggested_fixes(rejection.msg)}")
         return program
 

@@ -244,8 +244,10 @@ class InputObserver:
         names = [n for n in self.signature.parameters if n in kwargs]
         return {**{n: kwargs[n] for n in names}, **kwargs}
 
-    def aligned(self) -> AlignedCalls:
-        """The stored observations aligned on one input structure (see :mod:`.alignment`)."""
+    def aligned(self, keep_majority: bool = False) -> AlignedCalls:
+        """The stored observations aligned on one input structure (see :mod:`.alignment`);
+        ``keep_majority`` keeps the calls sharing the most frequent constant arguments instead
+        of raising when they differ."""
         if not self.observations or self.signature is None:
             reason = (
                 f"; {self.counts.failed} call(s) could not be recorded: {'; '.join(self.errors)}"
@@ -254,7 +256,8 @@ class InputObserver:
             raise ValueError(f"no call was recorded: call the model inside `with observer(model):`{reason}")
         with flattening_context():
             return align_calls(
-                [(o.args, o.kwargs) for o in self.observations], self.signature, self.value_if_missing
+                [(o.args, o.kwargs) for o in self.observations], self.signature, self.value_if_missing,
+                keep_majority=keep_majority,
             )
 
     def infer_dynamic_shapes(
@@ -284,11 +287,16 @@ class InputObserver:
 
         ``index`` selects a recorded call; by default the first one that has every input.
         """
+        from .shapes import ShapeModel
+
         aligned = self.aligned()
         if index is not None and not -len(self.observations) <= index < len(self.observations):
             raise IndexError(f"index {index} out of range: {len(self.observations)} recorded calls")
+        shapes = ShapeModel.from_aligned(aligned)
         with flattening_context():
-            return aligned.arguments(aligned.complete_call() if index is None else index % aligned.n_calls)
+            return aligned.arguments(
+                shapes.call_leaves(aligned.complete_call() if index is None else index % aligned.n_calls)
+            )
 
     def check_discrepancies(
         self, onnx_model_or_path: Any, atol: float = 1e-4, rtol: float = 0.1
@@ -297,9 +305,10 @@ class InputObserver:
 
         One row per observation: ``index``, ``SUCCESS``, ``abs``, ``rel``, ``n``.
         """
+        from .shapes import ShapeModel
         from .verify import Tolerance, discrepancy_rows
 
         return discrepancy_rows(
-            onnx_model_or_path, self.aligned(), [o.outputs for o in self.observations],
+            onnx_model_or_path, ShapeModel.from_aligned(self.aligned()), [o.outputs for o in self.observations],
             Tolerance(atol=atol, rtol=rtol),
         )

@@ -155,16 +155,17 @@ class ShapeModel:
         return {v.name: v.bounds for v in self.variables}
 
     # -- renderers ------------------------------------------------------------------------------
-    def to_dynamic_shapes(self, named: bool = False) -> tuple[Any, ...] | dict[str, Any]:
+    def to_dynamic_shapes(self, named: bool = False, constants: bool = True) -> tuple[Any, ...] | dict[str, Any]:
         """Dynamic shapes in the arguments' structure: ``Dim.DYNAMIC`` per dynamic dimension
         (seed form), or with ``named=True`` one named ``torch.export.Dim`` per variable.
-        A leaf that is no tensor (``None``, int, str inside a nest) gets ``None``."""
+        A leaf that is no tensor (``None``, int, str inside a nest) gets ``None``; constant
+        arguments get ``None``, or are left out with ``constants=False``."""
         if not named:
             flat = [dict.fromkeys(axes, torch.export.Dim.DYNAMIC) for axes in self.leaf_axes()]
         else:
             dims = self.export_dims()
             flat = [{d: dims[n] for d, n in axes.items()} for axes in self.leaf_axes()]
-        return self.aligned.structure(self._tensors_only(flat))
+        return self.aligned.structure(self._tensors_only(flat), constants)
 
     def to_axis_names(self) -> tuple[Any, ...] | dict[str, Any]:
         """Dynamic shapes with variable names as strings (``torch.onnx.export`` axis names)."""
@@ -194,19 +195,42 @@ class ShapeModel:
         """Variables whose size in call ``index`` is 0, 1 or unknown."""
         return [v.name for v in self.variables if (size := v.values[index]) is None or size < 2]
 
-    def example_arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``(args, kwargs)`` to export with: a safe recorded call, else inputs synthesized from
-        the recorded ones with every dynamic size at least 2."""
-        from .observer import flattening_context
+    def call_leaves(self, index: int) -> list[Any]:
+        """The flat leaves of call ``index``; an absent input becomes an empty tensor sized like
+        the call's other inputs (a cache absent at prefill gets the prefill's batch) with 0 on
+        its missing dimension."""
+        leaves = list(self.aligned.calls[index])
+        for leaf, value in enumerate(leaves):
+            if value is None and leaf in self.aligned.missing_dims:
+                leaves[leaf] = self._stand_in(leaf, index)
+        return leaves
+
+    def _stand_in(self, leaf: int, index: int) -> torch.Tensor:
+        reference = self.aligned.reference_tensor(leaf)
+        shape = list(reference.shape)
+        for dim in range(len(shape)):
+            var = self.variable_of((leaf, dim))
+            if var is not None and var.values[index] is not None:
+                shape[dim] = var.values[index]
+        shape[self.aligned.missing_dims[leaf]] = 0
+        return torch.empty(shape, dtype=reference.dtype, device=reference.device)
+
+    def example_leaves(self) -> list[Any]:
+        """Flat leaves to export with: a safe recorded call, else inputs synthesized from the
+        recorded ones with every dynamic size at least 2."""
         from .synthesis import build_leaves, export_sizes
 
         index = self.safe_call()
         if index is not None:
-            leaves = self.aligned.filled_leaves(index)
-        else:
-            leaves = build_leaves(self, export_sizes(self), torch.Generator().manual_seed(0))
+            return self.call_leaves(index)
+        return build_leaves(self, export_sizes(self), torch.Generator().manual_seed(0))
+
+    def example_arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` of :meth:`example_leaves`."""
+        from .observer import flattening_context
+
         with flattening_context():  # rebuilding a transformers cache needs its pytree node
-            return self.aligned.split_arguments(leaves)
+            return self.aligned.split_arguments(self.example_leaves())
 
     def to_json(self) -> dict[str, Any]:
         """JSON-native summary (reports, baseline, xdist payloads)."""

@@ -13,6 +13,7 @@ import torch
 from torch.utils import _pytree
 
 from .alignment import AlignedCalls
+from .shapes import ShapeModel
 
 EPS = 1e-12
 HISTOGRAM_EDGES = (1e-6, 1e-4, 1e-2)  # |Δ| buckets: <1e-6, <1e-4, <1e-2, >=1e-2
@@ -137,12 +138,15 @@ class OnnxRunner:
         return self.session.run(None, feeds)
 
 
-def program_runner(program: torch.export.ExportedProgram, aligned: AlignedCalls) -> Callable[[Sequence[Any]], list]:
-    """Run an ExportedProgram's module on flat leaves (``--export-target torch``)."""
+def program_runner(
+    program: torch.export.ExportedProgram, aligned: AlignedCalls, constants: bool = True
+) -> Callable[[Sequence[Any]], list]:
+    """Run an ExportedProgram's module on flat leaves (``--export-target torch``); ``constants``
+    false when the program was exported with its constant arguments bound."""
     module = program.module()
 
     def run(leaves: Sequence[Any]) -> list:
-        args, kwargs = aligned.split_arguments(leaves)
+        args, kwargs = aligned.split_arguments(leaves, constants=constants)
         return [t for t in _pytree.tree_leaves(module(*args, **kwargs)) if isinstance(t, torch.Tensor)]
 
     return run
@@ -150,13 +154,13 @@ def program_runner(program: torch.export.ExportedProgram, aligned: AlignedCalls)
 
 def verify_calls(
     run: Callable[[Sequence[Any]], Sequence[Any]],
-    aligned: AlignedCalls,
+    shapes: ShapeModel,
     references: Sequence[Sequence[torch.Tensor | None]],
     tolerance: Tolerance,
 ) -> list[Discrepancy]:
     """Run every aligned call (absent inputs as empty tensors) and compare with its reference."""
     return [
-        run_and_compare(run, aligned.filled_leaves(index), reference, tolerance, index)
+        run_and_compare(run, shapes.call_leaves(index), reference, tolerance, index)
         for index, reference in enumerate(references)
     ]
 
@@ -180,9 +184,9 @@ def run_and_compare(
 
 def discrepancy_rows(
     onnx_model_or_path: Any,
-    aligned: AlignedCalls,
+    shapes: ShapeModel,
     references: Sequence[Sequence[torch.Tensor | None]],
     tolerance: Tolerance,
 ) -> list[dict[str, Any]]:
     """One seed row per recorded call (``InputObserver.check_discrepancies``)."""
-    return [d.as_row() for d in verify_calls(OnnxRunner(onnx_model_or_path), aligned, references, tolerance)]
+    return [d.as_row() for d in verify_calls(OnnxRunner(onnx_model_or_path), shapes, references, tolerance)]

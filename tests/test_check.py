@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from pytest_exportobs.check import CheckSettings, check_group
@@ -156,3 +157,72 @@ def test_module_mode_is_restored_and_export_runs_in_eval(tmp_path: Path) -> None
     result = check_group(group, settings(tmp_path))
     assert result.verdict == "passed", result.reason
     assert module.training is True
+
+
+class CachedDecoder(torch.nn.Module):
+    """A decoder step: ``past`` (batch, past_seq, 4) is absent at prefill, as a KV cache is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
+        if past is None:
+            past = x.new_zeros((x.shape[0], 0, x.shape[2]))
+        return self.proj(torch.cat([past, x], dim=1)).sum(dim=1)
+
+
+def test_absent_cache_is_stood_in_with_the_calls_own_batch(tmp_path: Path) -> None:
+    module = CachedDecoder()
+    store = SessionStore()
+    with store.observe(module, "decoder", ObserveOptions(), "t") as group:
+        module(torch.randn(2, 5, 4))  # prefill: batch 2, no cache
+        module(torch.randn(1, 1, 4), past=torch.randn(1, 5, 4))
+        module(torch.randn(3, 1, 4), past=torch.randn(3, 6, 4))
+    result = check_group(group, settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"x": {"0": "batch", "1": "x_dim1"}, "past": {"0": "batch", "1": "past_dim1"}}
+    from pytest_exportobs.shapes import ShapeModel
+
+    shapes = ShapeModel.from_aligned(group.observer.aligned())
+    assert [tuple(t.shape) for t in shapes.call_leaves(0)] == [(2, 5, 4), (2, 0, 4)]
+
+
+class KeywordConstants(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        y = self.proj(x)
+        return y * 2 if kwargs.get("return_dict") else y
+
+    def encode(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.proj(x) * scale
+
+
+@pytest.mark.parametrize("target", ["onnx", "torch"])
+def test_constants_through_kwargs_are_bound_and_minority_calls_left_out(tmp_path: Path, target: str) -> None:
+    module = KeywordConstants()
+    store = SessionStore()
+    with store.observe(module, "constants", ObserveOptions(), "t") as group:
+        module(torch.randn(2, 4), return_dict=True)
+        module(torch.randn(3, 4), return_dict=True)
+        module(torch.randn(5, 4))  # like a direct call beside generate()'s calls
+    result = check_group(group, settings(tmp_path, target=target))
+    assert (result.verdict, result.n_observations, len(result.discrepancies)) == ("passed", 3, 2), result.reason
+    assert result.notes[0] == (
+        "1 of 3 calls left out: their constant arguments (return_dict=absent) "
+        "differ from the kept calls' (return_dict=True)"
+    )
+
+
+def test_a_method_other_than_forward_is_exported(tmp_path: Path) -> None:
+    module = KeywordConstants()
+    store = SessionStore()
+    with store.observe(module, "encoder", ObserveOptions(method="encode"), "t") as group:
+        module.encode(torch.randn(2, 4), 3.0)
+        module.encode(torch.randn(6, 4), scale=3.0)
+    result = check_group(group, settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"x": {"0": "x_dim0"}}

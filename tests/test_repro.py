@@ -84,7 +84,7 @@ def observed_shapes(model: torch.nn.Module, calls: list[dict], method: str = "fo
 
 
 def first_call(shapes: ShapeModel) -> list:
-    return shapes.aligned.filled_leaves(shapes.aligned.complete_call())
+    return shapes.call_leaves(shapes.aligned.complete_call())
 
 
 def run(repro: Repro, cwd: Path) -> subprocess.CompletedProcess:
