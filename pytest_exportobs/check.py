@@ -101,6 +101,9 @@ def _export_and_verify(
         group.module, shapes, export_settings, model_dir / "model.onnx", method=options.method))
     result.timings.update(outcome.timings)
     result.notes.extend(outcome.notes)
+    for name, into in outcome.equalities:
+        shapes.merge(name, into)
+    result.dims = shapes.to_json()["dims"]
     result.stage, result.cache_hit, result.onnx_path = outcome.stage, outcome.cache_hit, outcome.onnx_path
     result.opset, result.op_counts = outcome.opset, outcome.op_counts
     if not outcome.ok:
@@ -125,6 +128,7 @@ def _export_and_verify(
     result.max_abs = _finite_max(d.max_abs for d in discrepancies)
     result.max_rel = _finite_max(d.max_rel for d in discrepancies)
     bad = _without_unverifiable(shapes, [d for d in discrepancies if not d.ok], len(discrepancies), result)
+    set_aside = len(bad) < sum(not d.ok for d in discrepancies)
     if bad:
         worst = max(bad, key=lambda d: d.max_abs)
         source = observations[worst.index].source or "recorded call"
@@ -136,7 +140,7 @@ def _export_and_verify(
     examples = _first(options.examples, settings.examples)
     if examples:
         progress("variations")
-        _variations(group, settings, shapes, runner, tolerance, examples, result)
+        _variations(group, settings, shapes, runner, tolerance, examples, result, recorded_only=set_aside)
         if result.kind:
             return
     result.verdict = PASSED
@@ -160,9 +164,10 @@ def _without_unverifiable(shapes: Any, bad: list[Any], n_calls: int, result: Mod
 
 def _variations(
     group: ModelGroup, settings: CheckSettings, shapes: Any, runner: Any, tolerance: Any, examples: int,
-    result: ModelResult,
+    result: ModelResult, recorded_only: bool,
 ) -> None:
-    """Generated shapes: a failure is kind ``variation`` with the smallest failing sizes."""
+    """Generated shapes: a failure is kind ``variation`` with the smallest failing sizes.
+    When calls with stood-in inputs were set aside, sizes only stand-ins had are not tried."""
     from .variations import explore
 
     result.stage = "variations"
@@ -172,7 +177,7 @@ def _variations(
         eager=lambda leaves: _flat_outputs(method(*shapes.aligned.split_arguments(leaves)[0],
                                                   **shapes.aligned.split_arguments(leaves)[1])),
         run=runner, shapes=shapes, tolerance=tolerance, examples=examples, seed=settings.hypothesis_seed,
-        database_dir=settings.export_dir / safe_name(group.name) / "hypothesis",
+        database_dir=settings.export_dir / safe_name(group.name) / "hypothesis", recorded_only=recorded_only,
     ))
     result.timings["variations"] = time.perf_counter() - begin
     result.variations = variation.to_json()

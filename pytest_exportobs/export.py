@@ -58,6 +58,7 @@ class ExportOutcome:
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
     bound: bool = False  # the exported module is a BoundConstants: its inputs are tensors only
+    equalities: list[tuple[str, str]] = field(default_factory=list)  # dims torch found equal
 
 
 class StageFailed(Exception):
@@ -218,14 +219,19 @@ def _torch_export(
                 "exported with independent Dim.DYNAMIC dims"
             )
             return torch.export.export(module, args, kwargs, dynamic_shapes=shapes.to_dynamic_shapes(constants=constants))
-        outcome.notes.append(f"named dims refined with torch's suggested fixes: {_suggested_fixes(rejection.msg)}")
+        fixes = _suggested_fixes(rejection.msg)
+        outcome.notes.append(f"named dims refined with torch's suggested fixes: {'; '.join(fixes) or 'none listed'}")
+        outcome.equalities = [
+            (left.strip(), right.strip()) for left, _, right in (fix.partition("=") for fix in fixes)
+            if right.strip().isidentifier()
+        ]
         return program
 
 
-def _suggested_fixes(message: str) -> str:
+def _suggested_fixes(message: str) -> list[str]:
     """The ``name = expression`` lines torch suggests after 'Suggested fixes:'."""
     fixes = message.partition("Suggested fixes:")[2]
-    return "; ".join(line.strip() for line in fixes.splitlines() if "=" in line) or "none listed"
+    return [line.strip() for line in fixes.splitlines() if "=" in line]
 
 
 # The two steps ``torch.onnx.export(exported_program)`` runs, called apart so that each is timed
@@ -391,6 +397,7 @@ def _load_cached(cache_dir: Path, key: str, onnx_path: Path, outcome: ExportOutc
         return False
     outcome.stage, outcome.cache_hit, outcome.onnx_path = "onnx-checker", True, str(onnx_path)
     outcome.opset, outcome.op_counts, outcome.notes = meta.get("opset"), meta.get("op_counts", {}), meta.get("notes", [])
+    outcome.equalities = [tuple(pair) for pair in meta.get("equalities", [])]
     outcome.notes = [*outcome.notes, "export cache hit: torch.export and translation skipped"]
     return True
 
@@ -401,7 +408,7 @@ def _store_cached(cache_dir: Path | None, key: str, onnx_path: Path, outcome: Ex
     entry = cache_dir / f"{key}.onnx"
     _atomic_copy(onnx_path, entry)
     meta = {"sha256": _file_digest(entry), "opset": outcome.opset, "op_counts": outcome.op_counts,
-            "notes": outcome.notes}
+            "notes": outcome.notes, "equalities": outcome.equalities}
     with tempfile.NamedTemporaryFile("w", dir=cache_dir, delete=False, suffix=".tmp") as f:
         json.dump(meta, f)
     os.replace(f.name, cache_dir / f"{key}.json")

@@ -49,6 +49,7 @@ class Variable:
     name: str
     axes: list[Axis]
     values: list[int | None]
+    stood_in: list[bool] = field(default_factory=list)  # the size is only an empty stand-in's 0
 
     @property
     def known(self) -> list[int]:
@@ -57,6 +58,11 @@ class Variable:
     @property
     def bounds(self) -> tuple[int, int]:
         return min(self.known), max(self.known)
+
+    def recorded_bounds(self) -> tuple[int, int]:
+        """Bounds over the sizes real inputs had (a stand-in's 0 left out)."""
+        real = [v for v, stood_in in zip(self.values, self.stood_in) if v is not None and not stood_in]
+        return (min(real), max(real)) if real else self.bounds
 
 
 @dataclass
@@ -84,7 +90,7 @@ class ShapeModel:
             if axis in forced or len({v for v in _present(aligned, axis, values)}) > 1
         ]
         groups = _group_equal(dynamic, sizes, forced)
-        variables = [Variable("", group, _merged(sizes, group)) for group in groups]
+        variables = [Variable("", group, _merged(sizes, group), _stood_in(aligned, group)) for group in groups]
         notes: list[str] = []
         relations: list[Relation] = []
         if aligned.n_calls < 2:
@@ -131,6 +137,16 @@ class ShapeModel:
             for r in self.relations
         ]
 
+    def merge(self, name: str, into: str) -> None:
+        """Make variable ``name`` the same as ``into`` (torch.export proved them equal)."""
+        source = next((v for v in self.variables if v.name == name), None)
+        target = next((v for v in self.variables if v.name == into), None)
+        if source is None or target is None or source is target:
+            return
+        target.axes.extend(source.axes)
+        self.variables.remove(source)
+        self.relations = [r for r in self.relations if name not in (r.derived, *r.terms)]
+
     # -- queries --------------------------------------------------------------------------------
     def variable_of(self, axis: Axis) -> Variable | None:
         return next((v for v in self.variables if axis in v.axes), None)
@@ -151,8 +167,9 @@ class ShapeModel:
         ]
         return " ".join(parts) or "static"
 
-    def bounds(self) -> dict[str, tuple[int, int]]:
-        return {v.name: v.bounds for v in self.variables}
+    def bounds(self, recorded_only: bool = False) -> dict[str, tuple[int, int]]:
+        """Min and max size of each variable, over real inputs only with ``recorded_only``."""
+        return {v.name: v.recorded_bounds() if recorded_only else v.bounds for v in self.variables}
 
     # -- renderers ------------------------------------------------------------------------------
     def to_dynamic_shapes(self, named: bool = False, constants: bool = True) -> tuple[Any, ...] | dict[str, Any]:
@@ -312,6 +329,11 @@ def _same_variable(a: list[int | None], b: list[int | None], both_forced: bool) 
     if not common or any(x != y for x, y in common):
         return False
     return both_forced or len({x for x, _ in common}) > 1
+
+
+def _stood_in(aligned: AlignedCalls, group: list[Axis]) -> list[bool]:
+    """Per call, whether no input holding the variable was present (its size is a stand-in's)."""
+    return [all(call[leaf] is None for leaf, _ in group) for call in aligned.calls]
 
 
 def _merged(sizes: dict[Axis, list[int | None]], group: list[Axis]) -> list[int | None]:

@@ -72,11 +72,14 @@ class VariationOutcome:
         return summary
 
 
-def size_ranges(shapes: ShapeModel, max_elements: int = MAX_ELEMENTS) -> dict[str, tuple[int, int]]:
+def size_ranges(
+    shapes: ShapeModel, max_elements: int = MAX_ELEMENTS, recorded_only: bool = False
+) -> dict[str, tuple[int, int]]:
     """``(low, high)`` of every free variable: from 2 (or the observed minimum when smaller) up
     to twice the observed maximum (at least 8, at most 512), highs lowered until the largest
-    input at the highs has at most ``max_elements`` elements."""
-    bounds = shapes.bounds()
+    input at the highs has at most ``max_elements`` elements.  With ``recorded_only`` the sizes
+    of empty stand-ins (a cache absent at prefill) do not count as observed."""
+    bounds = shapes.bounds(recorded_only)
     ranges = {name: _range(*bounds[name]) for name in free_variables(shapes)}
     while _largest_input(shapes, {n: high for n, (_, high) in ranges.items()}) > max_elements:
         shrinkable = [n for n, (low, high) in ranges.items() if high > low]
@@ -96,13 +99,15 @@ def explore(
     examples: int,
     seed: int | None,
     database_dir: Path,
+    recorded_only: bool = False,
 ) -> VariationOutcome:
     """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them;
-    never raises for a model problem (an exception of ``run`` fails its example)."""
+    never raises for a model problem (an exception of ``run`` fails its example).
+    ``recorded_only``: see :func:`size_ranges`."""
     from hypothesis import find, strategies
     from hypothesis.errors import NoSuchExample, Unsatisfiable
 
-    ranges = size_ranges(shapes)
+    ranges = size_ranges(shapes, recorded_only=recorded_only)
     trials = _Trials(eager, run, shapes, tolerance, recipes(shapes))
     if not ranges or examples <= 0:
         return trials.outcome(None)
