@@ -141,14 +141,16 @@ class InputObserver:
         limit = len(self.observations) + store_n_calls
         had_instance_attr = method_name in vars(model)
         wrapper = self._make_wrapper(model, method, signature, limit)
-        setattr(model, method_name, wrapper)
-        try:
-            yield self
-        finally:
-            if had_instance_attr:
-                setattr(model, method_name, method)
-            else:
-                delattr(model, method_name)
+        # Registered once for the block, not per call: flattening caches is on the hot path.
+        with flattening_context():
+            setattr(model, method_name, wrapper)
+            try:
+                yield self
+            finally:
+                if had_instance_attr:
+                    setattr(model, method_name, method)
+                else:
+                    delattr(model, method_name)
 
     def _check_signature(self, signature: inspect.Signature) -> None:
         if self.signature is not None and list(self.signature.parameters) != list(signature.parameters):
@@ -180,42 +182,41 @@ class InputObserver:
         def observed(*args: Any, **kwargs: Any) -> Any:
             # Observing never changes what the call does: a call that cannot be recorded
             # (a cache pytree cannot flatten, ...) still runs and is counted as failed.
-            with flattening_context():
-                try:
-                    ordered = self._ordered(kwargs)
-                    key = call_signature(args, ordered)
-                    known = self._by_key.get(key)
-                    if known is not None or len(self.observations) >= limit:
-                        self._count_unstored(known)
-                        inputs = None
-                    else:
-                        inputs = detached_clone((args, ordered))
-                except Exception as e:
-                    self._count_failed(e)
+            try:
+                ordered = self._ordered(kwargs)
+                key = call_signature(args, ordered)
+                known = self._by_key.get(key)
+                if known is not None or len(self.observations) >= limit:
+                    self._count_unstored(known)
                     inputs = None
-                if inputs is None:
-                    return method(*args, **kwargs)
-                begin = time.perf_counter()
-                outputs = method(*args, **kwargs)
-                latency = time.perf_counter() - begin
-                try:
-                    observation = Observation(
-                        args=inputs[0],
-                        kwargs=inputs[1],
-                        outputs=[
-                            t.detach().clone() if isinstance(t, torch.Tensor) else None
-                            for t in _pytree.tree_leaves(outputs)
-                        ],
-                        latency=latency,
-                        source=self.source,
-                        instance=id(model),
-                        weights_version=weights_version(model),
-                    )
-                except Exception as e:
-                    self._count_failed(e)
                 else:
-                    self._store(key, observation)
-                return outputs
+                    inputs = detached_clone((args, ordered))
+            except Exception as e:
+                self._count_failed(e)
+                inputs = None
+            if inputs is None:
+                return method(*args, **kwargs)
+            begin = time.perf_counter()
+            outputs = method(*args, **kwargs)
+            latency = time.perf_counter() - begin
+            try:
+                observation = Observation(
+                    args=inputs[0],
+                    kwargs=inputs[1],
+                    outputs=[
+                        t.detach().clone() if isinstance(t, torch.Tensor) else None
+                        for t in _pytree.tree_leaves(outputs)
+                    ],
+                    latency=latency,
+                    source=self.source,
+                    instance=id(model),
+                    weights_version=weights_version(model),
+                )
+            except Exception as e:
+                self._count_failed(e)
+            else:
+                self._store(key, observation)
+            return outputs
 
         observed.__signature__ = signature  # type: ignore[attr-defined]
         return observed

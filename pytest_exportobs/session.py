@@ -53,8 +53,6 @@ class ExportSession:
         if not marks:
             yield
             return
-        from .observer import flattening_context
-
         with contextlib.ExitStack() as stack:
             for mark in marks:
                 if not mark.args:
@@ -64,7 +62,6 @@ class ExportSession:
                     module = self._fixture_value(item, fixture)
                     group = self._enter(stack, module, fixture, options, item)
                     item.user_properties.append((OUTPUT_KEY, group.name))
-            stack.enter_context(flattening_context())
             yield
 
     def watch(self, request: pytest.FixtureRequest, stack: contextlib.ExitStack, module: Any,

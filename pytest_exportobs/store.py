@@ -22,6 +22,9 @@ import torch
 from .observer import InputObserver, weights_version
 
 
+MAX_OBSERVATIONS = 32  # distinct call signatures kept per model over a session (memory bound)
+
+
 @dataclass(frozen=True)
 class ObserveOptions:
     """What the ``observe_export`` marker and ``watch()`` accept besides fixture names."""
@@ -137,5 +140,6 @@ class SessionStore:
         if source not in group.sources:
             group.sources.append(source)
         group.observer.source = source
-        with group.observer(module, store_n_calls=options.store_n_calls, method_name=options.method):
+        room = max(0, MAX_OBSERVATIONS - group.observer.num_obs())
+        with group.observer(module, store_n_calls=min(options.store_n_calls, room), method_name=options.method):
             yield group
