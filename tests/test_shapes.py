@@ -330,3 +330,18 @@ def test_without_forcing_a_constant_batch_stays_static() -> None:
     shapes = shape_model([text(1, 5), text(1, 7)], TextModel())
     assert shapes.describe() == "input_ids{1:seq} attention_mask{1:seq}"
     assert shapes.safe_call() == 0  # batch 1 is static: nothing to specialize
+
+
+def test_merging_a_variable_torch_proved_equal_moves_its_axes() -> None:
+    shapes = shape_model([{"x": zeros(3, 4), "y": zeros(5)}, {"x": zeros(6, 2), "y": zeros(7)}])
+    shapes.merge("y_dim0", into="x_dim0")
+    assert shapes.leaf_axes() == [{0: "x_dim0", 1: "x_dim1"}, {0: "x_dim0"}]
+    shapes.merge("unknown", into="x_dim0")  # torch named a dim we do not have: nothing to do
+    assert [v.name for v in shapes.variables] == ["x_dim0", "x_dim1"]
+
+
+def test_recorded_bounds_leave_out_the_zero_of_an_empty_stand_in() -> None:
+    calls = [{"x": zeros(2, 3)}, {"x": zeros(2, 1), "past": zeros(2, 3)}, {"x": zeros(3, 1), "past": zeros(3, 4)}]
+    shapes = shape_model(calls)
+    assert shapes.bounds()["past_dim1"] == (0, 4)
+    assert shapes.bounds(recorded_only=True)["past_dim1"] == (3, 4)
