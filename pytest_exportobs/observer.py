@@ -69,7 +69,14 @@ def detached_clone(tree: Any) -> Any:
 
 
 def call_signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """A hashable key that is equal for two calls iff they flatten to the same shapes and constants."""
+    """A hashable key that is equal for two calls iff they flatten to the same shapes and constants.
+
+    Calls of plain tensors (most calls) skip pytree: this runs on every observed call."""
+    if all(type(t) is torch.Tensor for t in args) and all(type(t) is torch.Tensor for t in kwargs.values()):
+        return (
+            len(args), tuple(kwargs),
+            tuple((t.dtype, t.shape) for t in args), tuple((t.dtype, t.shape) for t in kwargs.values()),
+        )
     leaves, spec = _pytree.tree_flatten((args, kwargs))
     return (
         str(spec),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +100,7 @@ class SessionStore:
     def __init__(self) -> None:
         self.groups: dict[str, ModelGroup] = {}
         self._by_base: dict[str, dict[str, str]] = {}  # base name -> identity -> group name
+        self._identities: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
     def group_for(
         self, module: torch.nn.Module, default_name: str, options: ObserveOptions
@@ -108,7 +110,7 @@ class SessionStore:
             raise TypeError(f"{default_name!r} is a {type(module).__name__}, not a torch.nn.Module: nothing to observe")
         explicit = options.name is not None
         base = options.name or default_name
-        ident = identity(module)
+        ident = self._identities.get(module) or self._identities.setdefault(module, identity(module))
         members = self._by_base.setdefault(base, {})
         if ident in members:
             return self.groups[members[ident]]
