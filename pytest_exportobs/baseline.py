@@ -278,6 +278,11 @@ def _judge(result: ModelResult, entry: BaselineEntry | None, strict: bool, has_b
         notes = ["not in the baseline"] if has_baseline else []
     if verdict == SKIPPED:
         return GateEntry(name, SKIPPED, result.reason, notes=notes)
+    if result.expected_failure:  # the marker's xfail= decides, like pytest.mark.xfail
+        if _failing(verdict):
+            return GateEntry(name, XFAILED, f"expected failure: {result.expected_failure}", notes=notes)
+        return GateEntry(name, FAILED if strict else XPASSED,
+                         f"passes although marked xfail ({result.expected_failure})", notes=notes)
     problems = _regressions(entry, result) if entry is not None else []
     if problems:
         return GateEntry(name, FAILED, "; ".join(problems), regression=True, notes=notes)

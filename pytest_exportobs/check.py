@@ -45,6 +45,7 @@ def check_group(group: ModelGroup, settings: CheckSettings, progress: Progress =
     result = ModelResult(
         name=group.name, verdict=FAILED, stage="infer", sources=list(group.sources),
         model_class=group.model_class, n_observations=group.observer.num_obs(),
+        expected_failure=_xfail_reason(group.options.xfail),
         n_calls=sum(vars(group.observer.counts).values()),
         env=dict(settings.env),
     )
@@ -252,6 +253,12 @@ def _references(group: ModelGroup, observations: list[Any]) -> tuple[list[list[A
     if not recomputed:
         return references, "recorded"
     return references, f"recomputed on the exported instance for {recomputed} of {len(references)} calls"
+
+
+def _xfail_reason(xfail: bool | str | None) -> str:
+    if not xfail:
+        return ""
+    return xfail if isinstance(xfail, str) else "marked xfail"
 
 
 def _first(*values: Any) -> Any:

@@ -16,8 +16,9 @@ from .settings import Settings, add_options
 
 MARKER_HELP = (
     "observe_export(*fixture_names, name=None, set_batch_dimension_for=None, value_if_missing=None, "
-    "atol=None, rtol=None, examples=None, method='forward', xfail=None): record the calls of the named "
-    "fixtures' modules during this test; with --export-check they are exported and verified at the end"
+    "dim_names=None, atol=None, rtol=None, examples=None, method='forward', xfail=None, patches=(), "
+    "store_n_calls=3): record the calls of the named fixtures' modules during this test; with "
+    "--export-check they are exported and verified at the end"
 )
 session_key = pytest.StashKey["Any"]()
 

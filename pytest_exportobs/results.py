@@ -15,6 +15,12 @@ STAGES = (
 )
 
 
+def format_dims(dims: dict[str, dict[Any, str]]) -> str:
+    """``input_ids{0:batch,1:seq}`` for every input with a dynamic dimension, else ``static``."""
+    parts = [f"{name}{{{','.join(f'{d}:{v}' for d, v in axes.items())}}}" for name, axes in dims.items() if axes]
+    return " ".join(parts) or "static"
+
+
 @dataclass
 class ModelResult:
     """Everything known about one model's export check; every field is JSON-native.
@@ -54,6 +60,7 @@ class ModelResult:
     op_counts: dict[str, int] = field(default_factory=dict)
     variations: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    expected_failure: str = ""  # the marker's xfail reason
 
     @property
     def passed(self) -> bool:
@@ -64,11 +71,7 @@ class ModelResult:
         return sum(self.timings.values())
 
     def dims_text(self) -> str:
-        """``input_ids{0:batch,1:seq}`` for every input with a dynamic dimension."""
-        parts = [
-            f"{name}{{{','.join(f'{d}:{v}' for d, v in axes.items())}}}" for name, axes in self.dims.items()
-        ]
-        return " ".join(parts) or "static"
+        return format_dims(self.dims)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

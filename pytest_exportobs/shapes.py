@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .alignment import AlignedCalls
+from .results import format_dims
 
 Axis = tuple[int, int]  # (flat leaf index, dimension)
 
@@ -161,11 +162,7 @@ class ShapeModel:
 
     def describe(self) -> str:
         """``input_ids{0:batch,1:seq}`` for every input with a dynamic dimension."""
-        parts = [
-            f"{name}{{{','.join(f'{d}:{v}' for d, v in axes.items())}}}"
-            for name, axes in zip(self.aligned.leaf_names, self.leaf_axes()) if axes
-        ]
-        return " ".join(parts) or "static"
+        return format_dims(dict(zip(self.aligned.leaf_names, self.leaf_axes())))
 
     def bounds(self, recorded_only: bool = False) -> dict[str, tuple[int, int]]:
         """Min and max size of each variable, over real inputs only with ``recorded_only``."""

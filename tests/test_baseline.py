@@ -406,3 +406,12 @@ def test_paths_may_be_strings(tmp_path):
     path = recorded().write(str(tmp_path / "b.json"))
     assert path == tmp_path / "b.json"
     assert Baseline.load(str(path)) == recorded()
+
+
+def test_marker_xfail_turns_a_failure_into_xfailed_and_a_pass_into_xpassed() -> None:
+    failing = ModelResult(name="lm", verdict="failed", stage="torch.export", expected_failure="needs torch.cond")
+    passing = ModelResult(name="vit", verdict="passed", stage="verify", expected_failure="marked xfail")
+    entries = {e.name: e for e in gate(None, [failing, passing]).entries}
+    assert (entries["lm"].outcome, entries["lm"].message) == ("xfailed", "expected failure: needs torch.cond")
+    assert (entries["vit"].outcome, entries["vit"].message) == ("xpassed", "passes although marked xfail (marked xfail)")
+    assert gate(None, [failing, passing], strict=True).failed
