@@ -99,14 +99,14 @@ class ShapeModel:
         else:
             relations = _derive(variables)
         model = cls(aligned, variables, relations, notes)
-        model._name_variables(dim_names if isinstance(dim_names, dict) else {})
+        model._name_variables(dim_names if isinstance(dim_names, dict) else {}, forced)
         return model
 
-    def _name_variables(self, overrides: dict[str, str]) -> None:
+    def _name_variables(self, overrides: dict[str, str], forced: set[Axis]) -> None:
         derived = {r.derived for r in self.relations}
         taken: set[str] = set()
         for index, var in enumerate(self.variables):
-            name = _default_name(self.aligned, var, str(index) in derived)
+            name = "batch" if forced & set(var.axes) else _default_name(self.aligned, var, str(index) in derived)
             while name in taken:
                 name = _bump(name)
             taken.add(name)

@@ -240,7 +240,7 @@ def test_no_relation_without_independent_evidence(sizes) -> None:
 
 def test_a_single_call_relates_nothing_and_says_so() -> None:
     shapes = shape_model([{"x": zeros(3, 4), "y": zeros(7)}], set_batch_dimension_for=True)
-    assert shapes.leaf_axes() == [{0: "x_dim0"}, {0: "y_dim0"}]
+    assert shapes.leaf_axes() == [{0: "batch"}, {0: "batch_2"}]  # forced first dims are batches, not merged
     assert shapes.relations == []
     assert shapes.notes == [NO_RELATION_NOTE]
 
