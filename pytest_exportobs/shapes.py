@@ -193,9 +193,15 @@ class ShapeModel:
         """One named ``torch.export.Dim`` per variable.
 
         torch.export derives dims only as ``a * u + b`` of one dim, so a sum relation stays a
-        variable of its own; the shared symbols already tie equal dimensions together.
+        variable of its own, with the lower bound torch infers for it (each term is a dynamic
+        size, at least 2 while tracing): without it torch rejects the dims and asks for it.
         """
-        return {var.name: torch.export.Dim(_identifier(var.name)) for var in self.variables}
+        sums = {r.derived: 2 * len(r.terms) + r.constant for r in self.relations}
+        return {
+            var.name: torch.export.Dim(_identifier(var.name), min=sums[var.name]) if var.name in sums
+            else torch.export.Dim(_identifier(var.name))
+            for var in self.variables
+        }
 
     def safe_call(self) -> int | None:
         """A recorded call with every input present and every dynamic size at least 2 (torch.export
