@@ -101,3 +101,13 @@ class GatedScorer(torch.nn.Module):
 @pytest.fixture
 def gated_scorer() -> torch.nn.Module:
     return _seeded(GatedScorer)
+
+
+@pytest.fixture
+def static_llama() -> torch.nn.Module:
+    """A tiny Llama configured for a StaticCache, built by pytest_exportobs' own helper."""
+    from pytest_exportobs import get_untrained_model_with_inputs
+
+    return get_untrained_model_with_inputs(
+        transformers.LlamaConfig(), model_kwargs=dict(cache_implementation="static"), inputs_kwargs=dict(cls_cache="StaticCache"),
+    )["model"]

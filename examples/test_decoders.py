@@ -75,3 +75,17 @@ def test_gpt2_prefill_then_decode(gpt2, batch):
     tokens, out = decode(gpt2, prompt, steps=2)
     assert tokens.shape == (batch, 9)
     assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.observe_export("static_llama")
+@pytest.mark.parametrize("batch", [2, 3])
+def test_static_cache_decoder(static_llama, batch):
+    """A decoder with a StaticCache, model and inputs from get_untrained_model_with_inputs:
+    the cache length is the static max_cache_len, batch and new tokens are dynamic."""
+    from pytest_exportobs import get_untrained_model_with_inputs
+
+    data = get_untrained_model_with_inputs(
+        static_llama.config, inputs_kwargs=dict(cls_cache="StaticCache", batch_size=batch, seq_len=batch + 1),
+    )
+    out = static_llama(**data["inputs"])
+    assert out.logits.shape == (batch, batch + 1, static_llama.config.vocab_size)

@@ -182,6 +182,11 @@ def _variations(
     ))
     result.timings["variations"] = time.perf_counter() - begin
     result.variations = variation.to_json()
+    if variation.tried and not variation.valid:
+        result.notes.append(
+            f"variations: eager rejected all {variation.tried} generated examples: the model relates "
+            "sizes that the shape model keeps independent (e.g. mask = seq + a constant past)"
+        )
     if variation.failed:
         result.kind = "variation"
         sizes = ", ".join(f"{k}={v}" for k, v in variation.failing_sizes.items())

@@ -84,7 +84,9 @@ def detail_text(result: ModelResult) -> str:
         "timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()),
     ]
     if result.variations:
-        lines.append(f"variations: {result.variations}")
+        v = result.variations
+        lines.append(f"variations: {v['tried']} tried, {v['valid']} valid, {v['failed']} failed")
+    lines.extend(f"note: {n}" for n in result.notes)
     if result.onnx_path:
         lines.append(f"onnx: {result.onnx_path}" + (" (cache hit)" if result.cache_hit else ""))
     return "\n".join(lines)

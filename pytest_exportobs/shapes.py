@@ -103,10 +103,9 @@ class ShapeModel:
         return model
 
     def _name_variables(self, overrides: dict[str, str], forced: set[Axis]) -> None:
-        derived = {r.derived for r in self.relations}
         taken: set[str] = set()
-        for index, var in enumerate(self.variables):
-            name = "batch" if forced & set(var.axes) else _default_name(self.aligned, var, str(index) in derived)
+        for var in self.variables:
+            name = "batch" if forced & set(var.axes) else _default_name(self.aligned, var)
             while name in taken:
                 name = _bump(name)
             taken.add(name)
@@ -388,9 +387,9 @@ def _relation(variables: list[Variable], target: int, terms: tuple[int, ...]) ->
     return Relation(str(target), tuple(str(t) for t in terms), constant)
 
 
-def _default_name(aligned: AlignedCalls, var: Variable, is_derived: bool) -> str:
+def _default_name(aligned: AlignedCalls, var: Variable) -> str:
     """Readable name of a variable from the inputs and axes it spans (as transformers names them)."""
-    roles = [_axis_role(aligned, leaf, dim, is_derived) for leaf, dim in var.axes]
+    roles = [_axis_role(aligned, leaf, dim) for leaf, dim in var.axes]
     for preferred in ("batch", "seq", "past_seq", "total_seq", "encoder_seq", "height", "width", "frames"):
         if preferred in roles:
             return preferred
@@ -400,7 +399,7 @@ def _default_name(aligned: AlignedCalls, var: Variable, is_derived: bool) -> str
     return f"{_identifier(aligned.leaf_names[leaf])}_dim{dim}"
 
 
-def _axis_role(aligned: AlignedCalls, leaf: int, dim: int, is_derived: bool) -> str | None:
+def _axis_role(aligned: AlignedCalls, leaf: int, dim: int) -> str | None:
     slot = aligned.leaf_slot(leaf).name
     leaf_name = aligned.leaf_names[leaf]
     is_cache = any(slot.startswith(c) for c in CACHE_INPUTS) and leaf_name != slot
@@ -413,7 +412,7 @@ def _axis_role(aligned: AlignedCalls, leaf: int, dim: int, is_derived: bool) -> 
     if dim == 0 and slot == "cache_position":
         return "seq"
     if dim == 1 and slot in ("attention_mask", "decoder_attention_mask"):
-        return "total_seq" if is_derived else "seq"
+        return "total_seq"  # "seq" wins when the mask shares the tokens' variable
     if slot in ("pixel_values",) and dim in (2, 3):
         return ("height", "width")[dim - 2]
     if slot == "input_features" and dim == 2:

@@ -138,6 +138,9 @@ def _hypothesis_home(directory: Path) -> Iterator[None]:
         configuration.set_hypothesis_home_dir(previous)
 
 
+MAX_INVALID = 30  # eager rejections after which no more example is run
+
+
 @dataclass(repr=False)  # hypothesis describes its condition with repr(): keep the tensors out
 class _Trials:
     """Runs each example once (by its sizes) and remembers the order and the verdicts."""
@@ -155,6 +158,8 @@ class _Trials:
         from hypothesis import assume
 
         free = {name: free[name] for name in free_variables(self.shapes)}  # hypothesis draws in any order
+        if free not in self.examples and self.verdicts.count(None) >= MAX_INVALID:
+            assume(False)  # eager keeps rejecting the sizes drawn: stop paying for eager runs
         if free not in self.examples:
             self.examples.append(free)
             self.verdicts.append(self._verdict(free))
