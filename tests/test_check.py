@@ -226,3 +226,51 @@ def test_a_method_other_than_forward_is_exported(tmp_path: Path) -> None:
     result = check_group(group, settings(tmp_path))
     assert result.verdict == "passed", result.reason
     assert result.dims == {"x": {"0": "x_dim0"}}
+
+
+@pytest.mark.slow
+def test_tiny_llama_onnx_axes_carry_the_inferred_names(tiny_llama, tmp_path: Path) -> None:
+    """Prefill + decode calls at two batch sizes: the ONNX inputs read input_ids[batch, seq],
+    attention_mask[batch, total_seq], caches [batch, 2, past_seq, 16]; ORT runs unseen sizes."""
+    import onnx
+
+    from pytest_exportobs import make_dynamic_cache, register_flattening_functions
+    from pytest_exportobs.verify import OnnxRunner
+
+    def cache(batch: int, past: int) -> object:
+        return make_dynamic_cache([(torch.randn(batch, 2, past, 16), torch.randn(batch, 2, past, 16))] * 2)
+
+    store = SessionStore()
+    with register_flattening_functions(), store.observe(tiny_llama, "llama", ObserveOptions(), "t") as group:
+        for batch, past, seq in ((2, 0, 6), (2, 6, 1), (3, 7, 1), (3, 4, 3)):
+            inputs = dict(input_ids=torch.randint(0, 100, (batch, seq)),
+                          attention_mask=torch.ones(batch, past + seq, dtype=torch.int64))
+            tiny_llama(**inputs, **({"past_key_values": cache(batch, past)} if past else {}))
+    result = check_group(group, settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert result.relations == ["total_seq = past_seq + seq"]
+    model = onnx.load(result.onnx_path)
+    axes = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert axes["input_ids"] == ["batch", "seq"]
+    assert axes["attention_mask"] == ["batch", "total_seq"]
+    assert [axes[name] for name in axes if name.startswith("past_key_values")] == [["batch", 2, "past_seq", 16]] * 4
+    logits = model.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in logits] == ["batch", "seq", 100]
+
+    unseen = dict(input_ids=torch.randint(0, 100, (5, 4)), attention_mask=torch.ones(5, 13, dtype=torch.int64))
+    past = cache(5, 9)
+    with register_flattening_functions(), torch.no_grad():
+        leaves = torch.utils._pytree.tree_leaves((unseen["input_ids"], unseen["attention_mask"], past))
+        expected = tiny_llama(**unseen, past_key_values=past).logits
+    got = OnnxRunner(Path(result.onnx_path))(leaves)[0]
+    torch.testing.assert_close(torch.from_numpy(got), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_batch_one_only_with_forced_batch_runs_at_batch_three_in_ort(tmp_path: Path) -> None:
+    from pytest_exportobs.verify import OnnxRunner
+
+    group = observed(MLP().eval(), (torch.randn(1, 8),), (torch.randn(1, 8),), set_batch_dimension_for=True)
+    result = check_group(group, settings(tmp_path))
+    assert (result.verdict, result.dims) == ("passed", {"x": {"0": "batch"}})
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(torch.from_numpy(OnnxRunner(Path(result.onnx_path))([x])[0]), group.module(x))
