@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .results import FAILED, PASSED, SKIPPED, ModelResult
+from .results import FAILED, PASSED, SKIPPED, ModelResult, error_line
 from .store import ModelGroup
 
 Progress = Callable[[str], None]
@@ -52,12 +52,14 @@ def check_group(group: ModelGroup, settings: CheckSettings, progress: Progress =
     if not group.observer.num_obs():
         result.verdict, result.stage = SKIPPED, "observe"
         result.reason = "no call of the model was observed"
+        if group.observer.errors:
+            result.reason += f" ({group.observer.counts.failed} calls could not be recorded: {group.observer.errors[0]})"
         return result
     try:
         _run(group, settings, result, progress)
     except Exception as e:  # the engine's own failures are a verdict too, never a crash
         result.verdict, result.kind = FAILED, "error"
-        result.reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        result.reason = error_line(e)
         result.traceback = "".join(traceback.format_exception(e))
     return result
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .results import first_line
 from .shapes import ShapeModel
 
 PACKAGE_DIR = str(Path(__file__).parent)
@@ -215,7 +216,7 @@ def _torch_export(
             program = torch.export.export(module, args, kwargs, dynamic_shapes=refined)
         except Exception:
             outcome.notes.append(
-                f"torch.export rejected the named dims ({_first_line(str(rejection))}): "
+                f"torch.export rejected the named dims ({first_line(str(rejection))}): "
                 "exported with independent Dim.DYNAMIC dims"
             )
             return torch.export.export(module, args, kwargs, dynamic_shapes=shapes.to_dynamic_shapes(constants=constants))
@@ -287,7 +288,7 @@ def _check_onnx(path: Path, outcome: ExportOutcome) -> None:
 def one_line_reason(stage: str, error: BaseException) -> str:
     """A single line a user can act on: the message's first line, the unsupported ops of an ONNX
     translation failure, and the user source line where torch.export failed."""
-    message = _first_line(str(error)) or type(error).__name__
+    message = first_line(str(error)) or type(error).__name__
     if stage in ("decompose", "onnx-translate"):
         ops = unsupported_ops(str(error))
         if ops:
@@ -329,10 +330,6 @@ def _short(path: str) -> str:
         return os.path.relpath(path)
     except ValueError:
         return path
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")[:300]
 
 
 # -- cache --------------------------------------------------------------------------------------

@@ -15,6 +15,16 @@ STAGES = (
 )
 
 
+def first_line(text: str, limit: int = 300) -> str:
+    """The first non-blank line of a message, cut to ``limit`` characters."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")[:limit]
+
+
+def error_line(error: BaseException) -> str:
+    """``Type: first line of the message``: how a failure reads in a one-line reason."""
+    return f"{type(error).__name__}: {first_line(str(error))}"
+
+
 def format_dims(dims: dict[str, dict[Any, str]]) -> str:
     """``input_ids{0:batch,1:seq}`` for every input with a dynamic dimension, else ``static``."""
     parts = [f"{name}{{{','.join(f'{d}:{v}' for d, v in axes.items())}}}" for name, axes in dims.items() if axes]

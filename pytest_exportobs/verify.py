@@ -13,6 +13,7 @@ import torch
 from torch.utils import _pytree
 
 from .alignment import AlignedCalls
+from .results import error_line
 from .shapes import ShapeModel
 
 EPS = 1e-12
@@ -177,8 +178,7 @@ def run_and_compare(
     try:
         actual = run(leaves)
     except Exception as e:
-        message = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        return Discrepancy(index, False, "error", math.inf, math.inf, detail=f"{type(e).__name__}: {message}")
+        return Discrepancy(index, False, "error", math.inf, math.inf, detail=error_line(e))
     return compare(actual, reference, tolerance, index)
 
 
