@@ -68,7 +68,7 @@ class ExportSession:
               name: str | None, kwargs: dict[str, Any]) -> Any:
         """``export_observer.watch``: observe ``module`` until the test's teardown."""
         options = self._options({**kwargs, "name": name}, f"export_observer.watch() in {request.node.nodeid}")
-        default = f"{type(module).__module__}.{type(module).__qualname__}"
+        default = type(module).__qualname__
         group = self._enter(stack, module, default, options, request.node)
         request.node.user_properties.append((OUTPUT_KEY, group.name))
         return module
