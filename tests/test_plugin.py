@@ -69,7 +69,7 @@ import torch
 from models import Branchy
 
 def test_watch(export_observer):
-    model = export_observer.watch(Branchy(), name="branchy")
+    model = export_observer.watch(Branchy())  # grouped by the class's qualified name
     model(torch.randn(3, 4))
     model(torch.randn(6, 4))
 '''
@@ -105,7 +105,7 @@ EXPECTED_CASES = {
     "exportobs::mlp": "passed",
     "exportobs::mlp-failing-test": "passed",
     "exportobs::never-called": "skipped",
-    "exportobs::branchy": "failure",
+    "exportobs::Branchy": "failure",
 }
 
 
@@ -120,10 +120,10 @@ def test_one_outcome_per_model(suite: pytest.Pytester, workers: list[str]) -> No
     cases = {name.removesuffix("@exportobs"): outcome for name, outcome in junit_cases(suite.path / "junit.xml").items()}
     assert cases == EXPECTED_CASES
     result.stdout.fnmatch_lines([
-        "exportobs gate: 1 failure (branchy: failed at torch.export)",
+        "exportobs gate: 1 failure (Branchy: failed at torch.export)",
         "PASSED exportobs::mlp",
         "SKIPPED *never-called*no call of the model was observed*",
-        "FAILED exportobs::branchy - failed at torch.export: *(at models.py:*: if x.sum() > 0:)",
+        "FAILED exportobs::Branchy - failed at torch.export: *(at models.py:*: if x.sum() > 0:)",
     ])
     result.stdout.re_match_lines([r"mlp\s+passed\s+variations\s+2\s+\S+\s+\S+s\s+x\{0:x_dim0\}"])
 
