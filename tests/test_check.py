@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -274,3 +276,26 @@ def test_batch_one_only_with_forced_batch_runs_at_batch_three_in_ort(tmp_path: P
     assert (result.verdict, result.dims) == ("passed", {"x": {"0": "batch"}})
     x = torch.randn(3, 8)
     torch.testing.assert_close(torch.from_numpy(OnnxRunner(Path(result.onnx_path))([x])[0]), group.module(x))
+
+
+PATCH_LOG: list[str] = []
+
+
+@contextlib.contextmanager
+def recording_patch() -> Iterator[None]:
+    """An export patch (ini ``export_patches`` / marker ``patches=``) that records its use."""
+    PATCH_LOG.append("enter")
+    try:
+        yield
+    finally:
+        PATCH_LOG.append("exit")
+
+
+def test_export_patches_wrap_export_and_verification(tmp_path: Path) -> None:
+    PATCH_LOG.clear()
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    result = check_group(group, settings(tmp_path, patches=(f"{__name__}.recording_patch",)))
+    assert result.verdict == "passed" and PATCH_LOG == ["enter", "exit"]
+    broken = check_group(group, settings(tmp_path, patches=("no_such_module.patch",)))
+    assert broken.verdict == "failed"
+    assert broken.reason == "ValueError: export patch 'no_such_module.patch' cannot be imported: No module named 'no_such_module'"
