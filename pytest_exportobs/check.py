@@ -176,10 +176,13 @@ def _variations(
     result.stage = "variations"
     begin = time.perf_counter()
     method = getattr(group.module, group.options.method)
+
+    def eager(leaves: list[Any]) -> list[Any]:
+        args, kwargs = shapes.aligned.split_arguments(leaves)
+        return _flat_outputs(method(*args, **kwargs))
+
     variation = _quiet(result, lambda: explore(
-        eager=lambda leaves: _flat_outputs(method(*shapes.aligned.split_arguments(leaves)[0],
-                                                  **shapes.aligned.split_arguments(leaves)[1])),
-        run=runner, shapes=shapes, tolerance=tolerance, examples=examples, seed=settings.hypothesis_seed,
+        eager=eager, run=runner, shapes=shapes, tolerance=tolerance, examples=examples, seed=settings.hypothesis_seed,
         database_dir=settings.export_dir / safe_name(group.name) / "hypothesis", recorded_only=recorded_only,
     ))
     result.timings["variations"] = time.perf_counter() - begin

@@ -173,7 +173,8 @@ def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> tuple[lis
     A recorded call with every dynamic size >= 2, else synthesized inputs (checked by running
     the module eagerly), else the richest recorded call, exported size-oblivious.
     """
-    if shapes.safe_call() is None:
+    index = shapes.safe_call()
+    if index is None:
         from .observer import detached_clone
 
         leaves = shapes.example_leaves()
@@ -186,8 +187,7 @@ def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> tuple[lis
         else:
             outcome.notes.append("no recorded call has every dynamic size >= 2: exported on synthesized inputs")
             return leaves, []
-    index = shapes.safe_call()
-    index = shapes.aligned.complete_call() if index is None else index
+        index = shapes.aligned.complete_call()
     small = shapes.small_variables(index)
     if small:
         outcome.notes.append(f"dims {', '.join(small)} are 0 or 1 in the example: exported size-oblivious")
