@@ -77,8 +77,8 @@ def build_models() -> dict[str, tuple[Any, list[dict[str, Any]]]]:
 
 def test_context(store: Any, module: Any, fixture: str, test: int) -> contextlib.AbstractContextManager:
     """What ``ExportSession.observe_marked`` enters around the call phase of one marked test."""
-    from pytest_exportobs.observer import flattening_context
-    from pytest_exportobs.store import ObserveOptions
+    from pytest_exportobs.core.trees import flattening_context
+    from pytest_exportobs.observe.store import ObserveOptions
 
     stack = contextlib.ExitStack()
     options = ObserveOptions.from_kwargs({}, f"@pytest.mark.observe_export on test_{fixture}_{test}")
@@ -97,20 +97,20 @@ def workload(module: Any, calls: list[dict[str, Any]], store: Any, fixture: str)
 
 
 def new_store() -> Any:
-    from pytest_exportobs.store import SessionStore
+    from pytest_exportobs.observe.store import SessionStore
 
     return SessionStore()
 
 
 def stored_bytes(store: Any) -> int:
     import torch
-    from pytest_exportobs.observer import flattening_context
+    from pytest_exportobs.core.trees import flattening_context
     from torch.utils import _pytree
 
     total = 0
     with flattening_context():
         for group in store.groups.values():
-            for obs in group.observer.observations:
+            for obs in group.recorder.observations:
                 for leaf in _pytree.tree_leaves((obs.args, obs.kwargs, obs.outputs)):
                     if isinstance(leaf, torch.Tensor):
                         total += leaf.numel() * leaf.element_size()
@@ -152,7 +152,7 @@ def memory_child(side: str) -> None:
     print(json.dumps({
         "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "stored_bytes": stored_bytes(store) if store is not None else 0,
-        "observations": sum(g.observer.num_obs() for g in store.groups.values()) if store is not None else 0,
+        "observations": sum(g.recorder.num_obs() for g in store.groups.values()) if store is not None else 0,
     }))
 
 

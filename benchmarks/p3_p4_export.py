@@ -4,7 +4,7 @@ One process; a 2-layer tiny Llama (``LlamaForCausalLM``, hidden 64, 4 heads, 2 K
 observed on 3 calls with ``input_ids``, ``attention_mask`` and a ``DynamicCache`` (batch, new tokens
 and past length varying independently), inside ``register_flattening_functions()``.
 
-P3: the plugin's engine, ``check.check_group`` on the group built by ``SessionStore().observe`` with
+P3: the plugin's engine, ``engine.check.check_model`` on the group built by ``SessionStore().observe`` with
 ``CheckSettings(export_dir=<fresh dir>, examples=0, use_cache=False)`` (infer shapes, torch.export,
 decompositions, ONNX translation, onnx.checker, onnxruntime load, verify the 3 calls), against what
 a user would write by hand for the same result: ``torch.onnx.export(model, (), kwargs=...,
@@ -108,7 +108,7 @@ class Case:
         """The engine's input: a group holding the recorded calls (and their eager outputs)."""
         import torch
         from pytest_exportobs import register_flattening_functions
-        from pytest_exportobs.store import ObserveOptions, SessionStore
+        from pytest_exportobs.observe.store import ObserveOptions, SessionStore
 
         store = SessionStore()
         with register_flattening_functions(), torch.no_grad():
@@ -132,9 +132,10 @@ class Case:
 
 
 def engine(case: Case, group: Any, export_dir: Path, use_cache: bool) -> Any:
-    from pytest_exportobs.check import CheckSettings, check_group
+    from pytest_exportobs.engine.check import check_model
+    from pytest_exportobs.engine.settings import CheckSettings
 
-    result = check_group(group, CheckSettings(export_dir=export_dir, examples=0, use_cache=use_cache))
+    result = check_model(group, CheckSettings(export_dir=export_dir, examples=0, use_cache=use_cache))
     if result.verdict != "passed":
         raise RuntimeError(f"engine did not pass on {case.kind}: {result.stage} {result.reason}\n{result.traceback}")
     return result

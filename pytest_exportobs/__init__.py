@@ -10,19 +10,19 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_PUBLIC = {
-    "InputObserver": "observer",
-    "Observation": "observer",
-    "string_type": "strings",
-    "register_flattening_functions": "pytrees",
-    "make_dynamic_cache": "pytrees",
-    "make_encoder_decoder_cache": "pytrees",
-    "make_static_cache": "pytrees",
-    "ModelInputs": "inputs",
-    "all_dynamic_shape_from_inputs": "inputs",
-    "all_dynamic_shapes_from_inputs": "inputs",
-    "ShapeModel": "shapes",
-    "get_untrained_model_with_inputs": "untrained",
+_PUBLIC = {  # public name -> module defining it
+    "InputObserver": "api.observer",
+    "Observation": "observe.recorder",
+    "string_type": "core.strings",
+    "register_flattening_functions": "core.pytrees",
+    "make_dynamic_cache": "core.pytrees",
+    "make_encoder_decoder_cache": "core.pytrees",
+    "make_static_cache": "core.pytrees",
+    "ModelInputs": "api.inputs",
+    "all_dynamic_shape_from_inputs": "api.inputs",
+    "all_dynamic_shapes_from_inputs": "api.inputs",
+    "ShapeModel": "shapes.model",
+    "get_untrained_model_with_inputs": "api.untrained",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_exportobs.baseline import Baseline, BaselineEntry, BaselineError, GateEntry, gate
-from pytest_exportobs.results import ModelResult
+from pytest_exportobs.gate.baseline import Baseline, BaselineEntry, BaselineError
+from pytest_exportobs.gate.judge import GateEntry, gate
+from pytest_exportobs.engine.result import ModelResult
 
 HINT = "run with --export-baseline-update to record it"
 LM_DIMS = {"input_ids": {"0": "batch", "1": "seq"}}
@@ -275,7 +276,6 @@ def test_file_format_is_stable_sorted_and_versioned(tmp_path):
 def test_round_trip(tmp_path):
     path = recorded().write(tmp_path / "deep" / "er" / "baseline.json")
     assert Baseline.load(path) == recorded()
-    assert Baseline.load_optional(path) == recorded()
 
 
 def test_baseline_copies_what_it_keeps():
@@ -307,7 +307,6 @@ def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
 
 def test_missing_file(tmp_path):
     path = tmp_path / "nope.json"
-    assert Baseline.load_optional(path) is None
     with pytest.raises(BaselineError) as info:
         Baseline.load(path)
     assert str(info.value) == f"{path}: cannot be read (No such file or directory)"

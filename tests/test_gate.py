@@ -5,24 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-MODELS = '''
-import torch
-
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1 = torch.nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.l1(x)
-
-class Branchy(torch.nn.Module):
-    def forward(self, x):
-        if x.sum() > 0:
-            return x * 2
-        return -x
-'''
+from models import SOURCE as MODELS
 
 TESTS = '''
 import os
@@ -66,7 +49,8 @@ def test_record_gate_break_and_fix(pytester: pytest.Pytester, workers: list[str]
     again.stdout.fnmatch_lines(["exportobs gate: ok (1 passed, 1 known failure, 0 regressions)"])
 
     working = (pytester.path / "models.py").read_text()
-    pytester.makepyfile(models=working.replace("return self.l1(x)", "return self.l1(x) if x.sum() > 0 else x[:, :4]"))
+    forward = "return self.l2(torch.relu(self.l1(x)))"
+    pytester.makepyfile(models=working.replace(forward, f"{forward} if x.sum() > 0 else x[:, :4]"))
     broken = pytester.runpytest_subprocess(*ARGS, *workers)
     assert broken.ret == 1
     broken.assert_outcomes(passed=2, failed=1, xfailed=1)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 from torch.utils import _pytree  # noqa: E402
 
 from pytest_exportobs import InputObserver, string_type  # noqa: E402
-from pytest_exportobs.observer import CallCounts  # noqa: E402
+from pytest_exportobs.observe.recorder import CallCounts  # noqa: E402
 
 DYN = torch.export.Dim.DYNAMIC
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one call
@@ -417,7 +417,6 @@ def test_the_signature_is_unchanged_while_observed() -> None:
         assert list(inspect.signature(model.forward).parameters) == ["x", "extra", "flag", "scale", "mode"]
 
 
-@pytest.mark.slow
 def test_generate_still_works_and_records_prefill_and_decode(tiny_llama) -> None:
     from pytest_exportobs import register_flattening_functions
 

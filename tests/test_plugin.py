@@ -8,29 +8,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-
-MODELS = '''
-import torch
-
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1 = torch.nn.Linear(8, 16)
-        self.l2 = torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.l2(torch.relu(self.l1(x)))
-
-class Branchy(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        if x.sum() > 0:
-            return self.l(x)
-        return -x
-'''
+from models import SOURCE as MODELS
 
 CONFTEST = '''
 import pytest, torch
@@ -174,7 +152,8 @@ def test_nothing_happens_without_the_flag(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     assert json.loads((pytester.path / "loaded.json").read_text()) == [
-        "pytest_exportobs", "pytest_exportobs.plugin", "pytest_exportobs.settings",
+        "pytest_exportobs", "pytest_exportobs.engine", "pytest_exportobs.engine.settings",
+        "pytest_exportobs.plugin", "pytest_exportobs.plugin.observing", "pytest_exportobs.plugin.options",
     ]
     assert not (pytester.path / ".exportobs").exists()
 
@@ -263,6 +242,6 @@ def test_isolate_turns_a_native_crash_into_one_failed_model(pytester: pytest.Pyt
 def test_a_worker_dying_while_checking_makes_its_models_incomplete(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(models=MODELS, conftest=CRASHING_CONFTEST, test_crash=TEST_CRASHING)
     result = pytester.runpytest_subprocess("--export-check", "--export-examples=0", "-n", "2", "-p", "no:cacheprovider")
-    assert result.ret != 0
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*exportobs gate: 2 failures (crashing: incomplete at observe; mlp: incomplete at observe)*"])
     assert "PASSED exportobs" not in result.stdout.str()

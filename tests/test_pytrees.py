@@ -11,7 +11,9 @@ torch = pytest.importorskip("torch")
 import torch.utils._pytree as pytree  # noqa: E402
 from torch.export import Dim  # noqa: E402
 
-from pytest_exportobs.pytrees import (  # noqa: E402
+from models import tiny_llama_config  # noqa: E402
+
+from pytest_exportobs.core.pytrees import (  # noqa: E402
     make_dynamic_cache,
     make_encoder_decoder_cache,
     make_static_cache,
@@ -374,22 +376,12 @@ def test_onnx_export_matches_eager_on_other_sizes(cache_utils, kind):
     torch.testing.assert_close(torch.from_numpy(got), model(*inputs), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.slow
 def test_tiny_llama_with_a_dynamic_cache_exports_to_onnx(cache_utils):
     ort = pytest.importorskip("onnxruntime")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        max_position_embeddings=256,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256)).eval()
 
     def inputs(batch, seq, past):
         return dict(

@@ -12,7 +12,10 @@ torch = pytest.importorskip("torch")
 
 from torch.utils import _pytree  # noqa: E402
 
+from models import example_arguments, tiny_llama_config  # noqa: E402
+
 from pytest_exportobs import InputObserver, ShapeModel, string_type  # noqa: E402
+from pytest_exportobs.core.text import format_dims  # noqa: E402
 
 DYN = torch.export.Dim.DYNAMIC
 NO_RELATION_NOTE = "one observed call: no relation between dimensions can be inferred"
@@ -43,6 +46,11 @@ def observed(model: torch.nn.Module, calls: Sequence[dict[str, Any]]) -> InputOb
 
 def shape_model(calls: Sequence[dict[str, Any]], model: torch.nn.Module | None = None, **options: Any) -> ShapeModel:
     return ShapeModel.from_aligned(observed(model or Inputs(), calls).aligned(), **options)
+
+
+def describe(shapes: ShapeModel) -> str:
+    """``input_ids{0:batch,1:seq} ...``: the dims as reports show them."""
+    return format_dims(shapes.to_json()["dims"])
 
 
 def zeros(*shape: int) -> torch.Tensor:
@@ -108,11 +116,10 @@ def llama_shapes(llama_observer) -> ShapeModel:
     return ShapeModel.from_aligned(llama_observer.aligned())
 
 
-@pytest.mark.slow
 def test_llama_one_batch_one_past_length_and_total_is_past_plus_seq(llama_observer, llama_shapes) -> None:
     assert llama_observer.num_obs() == 4
     assert llama_shapes.leaf_axes() == LLAMA_AXES
-    assert llama_shapes.describe() == LLAMA_DESCRIPTION
+    assert describe(llama_shapes) == LLAMA_DESCRIPTION
     assert [str(r) for r in llama_shapes.relations] == ["total_seq = past_seq + seq"]
     assert llama_shapes.notes == []
     # The prefill has no cache: its stand-in counts a past length of 0.
@@ -126,7 +133,6 @@ def test_llama_one_batch_one_past_length_and_total_is_past_plus_seq(llama_observ
     }
 
 
-@pytest.mark.slow
 def test_llama_named_dims_are_one_export_dim_per_name(llama_observer) -> None:
     shapes = llama_observer.infer_dynamic_shapes(dim_names=True)
     assert dim_names(shapes) == {
@@ -146,7 +152,6 @@ def test_llama_named_dims_are_one_export_dim_per_name(llama_observer) -> None:
     }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("overrides", "input_ids", "attention_mask", "relation"),
     [
@@ -164,7 +169,6 @@ def test_llama_dim_names_override_names(llama_observer, overrides, input_ids, at
     assert [str(r) for r in shapes.relations] == [relation]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -181,14 +185,13 @@ def test_llama_bad_dim_names_are_value_errors(llama_observer, overrides, message
         llama_observer.infer_dynamic_shapes(dim_names=overrides)
 
 
-@pytest.mark.slow
 def test_llama_example_is_synthesized_with_every_dynamic_size_at_least_2(tiny_llama, llama_observer, llama_shapes) -> None:
     from pytest_exportobs import register_flattening_functions
 
     # Prefills have an empty cache, decode steps one new token: no recorded call is safe.
     assert [llama_shapes.small_variables(i) for i in range(4)] == [["past_seq"], ["seq"], ["past_seq"], ["seq"]]
     assert llama_shapes.safe_call() is None
-    args, kwargs = llama_shapes.example_arguments()
+    args, kwargs = example_arguments(llama_shapes)
     assert args == ()
     # The first decode call, seq and past_seq raised to their largest recorded sizes.
     assert string_type(kwargs, with_shape=True) == (
@@ -215,7 +218,7 @@ def test_dims_equal_in_one_call_only_stay_two_variables() -> None:
 def test_dims_equal_in_every_call_and_varying_are_one_variable() -> None:
     shapes = shape_model([{"x": zeros(3, 7), "y": zeros(3)}, {"x": zeros(4, 7), "y": zeros(4)}])
     assert [(v.name, v.axes, v.values) for v in shapes.variables] == [("batch", [(0, 0), (1, 0)], [3, 4])]
-    assert shapes.describe() == "x{0:batch} y{0:batch}"
+    assert describe(shapes) == "x{0:batch} y{0:batch}"
 
 
 def test_a_sum_is_a_relation_when_its_terms_vary_independently() -> None:
@@ -268,7 +271,7 @@ def test_a_single_call_relates_nothing_and_says_so() -> None:
     ids=["images", "audio", "cache-position"],
 )
 def test_default_names_follow_the_input_roles(calls, description) -> None:
-    assert shape_model(calls).describe() == description
+    assert describe(shape_model(calls)) == description
 
 
 def test_non_tensor_leaves_get_no_dynamic_shape() -> None:
@@ -303,7 +306,7 @@ def test_a_recorded_call_with_every_size_at_least_2_is_the_example() -> None:
     calls = [text(2, 5), text(3, 7)]
     shapes = shape_model(calls, TextModel())
     assert shapes.safe_call() == 0
-    args, kwargs = shapes.example_arguments()
+    args, kwargs = example_arguments(shapes)
     assert args == () and list(kwargs) == ["input_ids", "attention_mask"]
     assert all(torch.equal(kwargs[k], calls[0][k]) for k in kwargs)
 
@@ -315,11 +318,11 @@ def test_a_forced_batch_seen_as_1_only_is_dynamic_and_synthesized_as_2() -> None
         "input_ids": {0: DYN, 1: DYN}, "attention_mask": {0: DYN, 1: DYN},
     }
     shapes = ShapeModel.from_aligned(observer.aligned(), set_batch_dimension_for=True)
-    assert shapes.describe() == "input_ids{0:batch,1:seq} attention_mask{0:batch,1:seq}"
+    assert describe(shapes) == "input_ids{0:batch,1:seq} attention_mask{0:batch,1:seq}"
     assert shapes.bounds() == {"batch": (1, 1), "seq": (5, 7)}
     assert shapes.safe_call() is None and shapes.small_variables(0) == ["batch"]
 
-    args, kwargs = shapes.example_arguments()
+    args, kwargs = example_arguments(shapes)
     assert args == () and shapes_of(kwargs) == [(2, 5), (2, 5)]
     assert torch.equal(kwargs["attention_mask"], torch.ones(2, 5, dtype=torch.int64))
     assert kwargs["input_ids"].dtype == torch.int64
@@ -328,7 +331,7 @@ def test_a_forced_batch_seen_as_1_only_is_dynamic_and_synthesized_as_2() -> None
 
 def test_without_forcing_a_constant_batch_stays_static() -> None:
     shapes = shape_model([text(1, 5), text(1, 7)], TextModel())
-    assert shapes.describe() == "input_ids{1:seq} attention_mask{1:seq}"
+    assert describe(shapes) == "input_ids{1:seq} attention_mask{1:seq}"
     assert shapes.safe_call() == 0  # batch 1 is static: nothing to specialize
 
 

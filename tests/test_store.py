@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_exportobs.store import MAX_OBSERVATIONS, ObserveOptions, SessionStore, identity
+from pytest_exportobs.observe.store import MAX_OBSERVATIONS, ObserveOptions, SessionStore, identity
 
 
 def observe(store: SessionStore, module: torch.nn.Module, default_name: str, *sizes: int, **options) -> str:
@@ -22,7 +22,7 @@ def test_one_default_name_for_two_different_models_is_split_with_a_suffix() -> N
     observe(store, large, "model", 3)
     observe(store, torch.nn.Linear(4, 2), "model", 5)  # same class and shapes as `small`
     assert sorted(store.groups) == sorted([f"model[{identity(small)}]", f"model[{identity(large)}]"])
-    assert store.groups[f"model[{identity(small)}]"].observer.num_obs() == 2
+    assert store.groups[f"model[{identity(small)}]"].recorder.num_obs() == 2
     assert identity(small).startswith("Linear-") and len(identity(small)) == len("Linear-") + 6
 
 
@@ -40,7 +40,7 @@ def test_the_first_instance_is_kept_and_later_ones_are_references_to_recompute()
     observe(store, second, "model", 3)
     group = store.groups["model"]
     assert group.module is first
-    valid = [group.is_reference_valid(o.instance, o.weights_version) for o in group.observer.observations]
+    valid = [group.is_reference_valid(o.instance, o.weights_version) for o in group.recorder.observations]
     assert valid == [True, False]
 
 
@@ -50,7 +50,7 @@ def test_observations_per_model_are_bounded_over_the_session() -> None:
     starts = range(0, 2 * MAX_OBSERVATIONS, 3)
     for start in starts:
         observe(store, module, "model", start + 1, start + 2, start + 3)
-    observer = store.groups["model"].observer
+    observer = store.groups["model"].recorder
     assert observer.num_obs() == MAX_OBSERVATIONS
     assert observer.counts.dropped == 3 * len(starts) - MAX_OBSERVATIONS
 

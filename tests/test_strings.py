@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pytest_exportobs.strings import string_type  # noqa: E402
+from pytest_exportobs.core.strings import string_type  # noqa: E402
 
 
 def test_seed_expectations():
@@ -135,7 +135,7 @@ def test_dataclasses_skip_none_fields():
 @pytest.fixture
 def caches():
     pytest.importorskip("transformers")
-    from pytest_exportobs.pytrees import (
+    from pytest_exportobs.core.pytrees import (
         make_dynamic_cache,
         make_encoder_decoder_cache,
         make_static_cache,

@@ -1,0 +1,28 @@
+"""Export patches: context managers named by dotted paths, entered around export and verification."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def entered(paths: tuple[str, ...]) -> Iterator[None]:
+    """Enter the context managers made by the factories at the given dotted paths."""
+    with contextlib.ExitStack() as stack:
+        for path in paths:
+            stack.enter_context(resolve(path)())
+        yield
+
+
+def resolve(path: str) -> Any:
+    """The object at ``package.module.attribute`` (``package.module:attribute`` also works)."""
+    module_name, _, attribute = path.replace(":", ".").rpartition(".")
+    if not module_name:
+        raise ValueError(f"export patch {path!r} is no dotted path module.attribute")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"export patch {path!r} cannot be imported: {e}") from e

@@ -1,0 +1,84 @@
+"""The verdict on one model: a JSON-native dataclass the engine produces for the gate and the plugin.
+
+Pure Python (no torch): the xdist controller and the gate read it without importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.text import format_dims
+
+PASSED, FAILED, SKIPPED, INCOMPLETE = "passed", "failed", "skipped", "incomplete"
+
+# Stages in the order a check goes through them; a failure names the stage it stopped at.
+# ``isolate``: the forked process checking the model died (--export-isolate), stage unknown.
+STAGES = (
+    "observe", "infer", "torch.export", "decompose", "onnx-translate", "onnx-checker",
+    "ort-load", "verify", "variations", "isolate",
+)
+# Stages after which the dynamic dims of a failed check are known (not an early or unknown stop).
+STAGES_WITH_DIMS = STAGES[STAGES.index("torch.export") : STAGES.index("isolate")]
+
+
+@dataclass
+class ModelResult:
+    """Everything known about one model's export check; every field is JSON-native.
+
+    ``verdict`` is ``passed``/``failed``/``skipped``/``incomplete``; on failure ``stage`` is the
+    stage that failed, ``kind`` is ``error`` (an exception), ``mismatch`` (numbers beyond
+    tolerance), ``outputs`` (output count or shape differs), ``variation`` (a generated shape
+    fails) or ``incomplete`` (the process checking it died).
+    """
+
+    name: str
+    verdict: str
+    stage: str = ""
+    kind: str = ""
+    reason: str = ""
+    traceback: str = ""
+    output: str = ""
+    dims: dict[str, dict[str, str]] = field(default_factory=dict)
+    relations: list[str] = field(default_factory=list)
+    bounds: dict[str, list[int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    n_observations: int = 0
+    n_calls: int = 0
+    sources: list[str] = field(default_factory=list)
+    model_class: str = ""
+    reference: str = ""
+    max_abs: float | None = None
+    max_rel: float | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    discrepancies: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    cache_hit: bool = False
+    onnx_path: str = ""
+    repro_path: str = ""
+    opset: int | None = None
+    op_counts: dict[str, int] = field(default_factory=dict)
+    variations: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    expected_failure: str = ""  # the marker's xfail reason
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == PASSED
+
+    @property
+    def elapsed(self) -> float:
+        return sum(self.timings.values())
+
+    def dims_text(self) -> str:
+        return format_dims(self.dims)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelResult:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

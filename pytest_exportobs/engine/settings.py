@@ -1,0 +1,28 @@
+"""How the engine checks models: one settings object, pure Python (the plugin builds it from its
+options without importing torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+TARGETS = ("onnx", "torch")
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """Session-wide settings of the check (per-model marker options override tolerances/examples).
+
+    ``target`` ``onnx`` exports to ONNX and runs onnxruntime, ``torch`` stops after torch.export;
+    ``patches`` are dotted paths to context-manager factories entered around export and
+    verification; ``use_cache`` reads and writes the export cache under ``export_dir``.
+    """
+
+    export_dir: Path
+    target: str = "onnx"
+    atol: float | None = None
+    rtol: float | None = None
+    examples: int = 10
+    patches: tuple[str, ...] = ()
+    hypothesis_seed: int | None = None
+    use_cache: bool = True

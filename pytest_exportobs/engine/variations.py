@@ -1,0 +1,237 @@
+"""Explore input shapes the test suite never used, with hypothesis, and shrink a failure.
+
+Each free dimension variable of the :class:`~..shapes.model.ShapeModel` gets a size drawn around its
+observed bounds (derived variables follow their relation, equal dimensions are one variable);
+:func:`~..shapes.synthesis.build_leaves` turns the sizes into valid inputs.  An example is *invalid* when
+the eager model itself raises on it, *failed* when the exported model raises or disagrees with
+eager beyond the verify stage's tolerances.  Hypothesis shrinks a failure to its smallest sizes.
+
+Randomness: with ``seed`` or under ``CI=true`` the examples are derandomized (same examples
+every run; hypothesis then disables its database, as it does for ``@seed`` and
+``derandomize``).  Otherwise failures are saved in a directory database under a key derived
+from the model's inputs and replayed first on the next run.  The tensors of an example are a
+function of its sizes only, so a replayed example is the very same inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from random import Random
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..core.trees import detached_clone
+from ..shapes.model import ShapeModel
+from ..shapes.synthesis import Recipe, build_leaves, complete_sizes, free_variables, leaf_shapes, recipes
+from .verify import Discrepancy, Tolerance, run_and_compare
+
+if TYPE_CHECKING:
+    import hypothesis
+
+MAX_ELEMENTS = 1_000_000  # elements of the largest generated input
+MAX_SIZE = 512  # largest size drawn for any variable
+SMALL_CEILING = 8  # variables observed small may still grow to this size
+DATABASE_PREFIX = b"pytest-exportobs.variations."
+
+Sizes = dict[str, int]
+Leaves = list[Any]
+
+
+@dataclass
+class VariationOutcome:
+    """What the exploration tried and the smallest failing example, if any.
+
+    ``tried`` counts distinct examples run (generation and shrinking), ``valid`` those eager
+    accepts, ``invalid`` those eager rejects, ``failed`` the valid ones the exported model got
+    wrong.  ``examples`` lists the free sizes tried, in order.
+    """
+
+    tried: int = 0
+    valid: int = 0
+    invalid: int = 0
+    failed: int = 0
+    failing_sizes: Sizes | None = None
+    max_abs: float | None = None
+    detail: str = ""
+    failing_leaves: Leaves | None = None
+    examples: list[Sizes] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-native summary, without the failing leaves."""
+        summary = asdict(self)
+        del summary["failing_leaves"]
+        return summary
+
+
+def size_ranges(
+    shapes: ShapeModel, max_elements: int = MAX_ELEMENTS, recorded_only: bool = False
+) -> dict[str, tuple[int, int]]:
+    """``(low, high)`` of every free variable: from 2 (or the observed minimum when smaller) up
+    to twice the observed maximum (at least 8, at most 512), highs lowered until the largest
+    input at the highs has at most ``max_elements`` elements.  With ``recorded_only`` the sizes
+    of empty stand-ins (a cache absent at prefill) do not count as observed."""
+    bounds = shapes.bounds(recorded_only)
+    ranges = {name: _range(*bounds[name]) for name in free_variables(shapes)}
+    while _largest_input(shapes, {n: high for n, (_, high) in ranges.items()}) > max_elements:
+        shrinkable = [n for n, (low, high) in ranges.items() if high > low]
+        if not shrinkable:
+            break
+        name = max(shrinkable, key=lambda n: ranges[n][1])
+        low, high = ranges[name]
+        ranges[name] = (low, max(low, min(high - 1, high * 3 // 4)))
+    return ranges
+
+
+def explore(
+    eager: Callable[[Leaves], list[torch.Tensor | None]],
+    run: Callable[[Leaves], Sequence[Any]],
+    shapes: ShapeModel,
+    tolerance: Tolerance,
+    examples: int,
+    seed: int | None,
+    database_dir: Path,
+    recorded_only: bool = False,
+) -> VariationOutcome:
+    """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them;
+    never raises for a model problem (an exception of ``run`` fails its example).
+    ``recorded_only``: see :func:`size_ranges`."""
+    from hypothesis import find, strategies
+    from hypothesis.errors import NoSuchExample, Unsatisfiable
+
+    ranges = size_ranges(shapes, recorded_only=recorded_only)
+    trials = _Trials(eager, run, shapes, tolerance, recipes(shapes))
+    if not ranges or examples <= 0:
+        return trials.outcome(None)
+    strategy = strategies.fixed_dictionaries(
+        {name: strategies.integers(low, high) for name, (low, high) in ranges.items()}
+    )
+    try:
+        with _hypothesis_home(database_dir):
+            minimal = find(
+                strategy, trials.fails, settings=_settings(examples, seed, database_dir / "examples"),
+                random=None if seed is None else Random(seed), database_key=_database_key(shapes),
+            )
+    except (NoSuchExample, Unsatisfiable):  # every valid example passed, or none was valid
+        minimal = None
+    return trials.outcome(minimal)
+
+
+@contextlib.contextmanager
+def _hypothesis_home(directory: Path) -> Iterator[None]:
+    """Keep what hypothesis stores on its own (its constants cache) in the export directory."""
+    from hypothesis import configuration
+
+    previous = configuration.storage_directory(intent_to_write=False).home_directory
+    configuration.set_hypothesis_home_dir(directory)
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(previous)
+
+
+MAX_INVALID = 30  # eager rejections after which no more example is run
+
+
+@dataclass(repr=False)  # hypothesis describes its condition with repr(): keep the tensors out
+class _Trials:
+    """Runs each example once (by its sizes) and remembers the order and the verdicts."""
+
+    eager: Callable[[Leaves], list[torch.Tensor | None]]
+    run: Callable[[Leaves], Sequence[Any]]
+    shapes: ShapeModel
+    tolerance: Tolerance
+    leaf_recipes: list[Recipe]
+    examples: list[Sizes] = field(default_factory=list)
+    verdicts: list[Discrepancy | None] = field(default_factory=list)  # None: invalid
+
+    def fails(self, free: Sizes) -> bool:
+        """hypothesis' condition: ``True`` when the exported model is wrong on this example."""
+        from hypothesis import assume
+
+        free = {name: free[name] for name in free_variables(self.shapes)}  # hypothesis draws in any order
+        if free not in self.examples and self.verdicts.count(None) >= MAX_INVALID:
+            assume(False)  # eager keeps rejecting the sizes drawn: stop paying for eager runs
+        if free not in self.examples:
+            self.examples.append(free)
+            self.verdicts.append(self._verdict(free))
+        verdict = self.verdicts[self.examples.index(free)]
+        assume(verdict is not None)
+        return not verdict.ok
+
+    def leaves(self, free: Sizes) -> Leaves:
+        """The inputs of an example: a function of its sizes only."""
+        sizes = complete_sizes(self.shapes, free)
+        generator = torch.Generator().manual_seed(zlib.crc32(json.dumps(sizes, sort_keys=True).encode()))
+        return build_leaves(self.shapes, sizes, generator, self.leaf_recipes)
+
+    def _verdict(self, free: Sizes) -> Discrepancy | None:
+        if min(complete_sizes(self.shapes, free).values()) < 0:  # a relation with a negative constant
+            return None
+        leaves = self.leaves(free)
+        try:
+            expected = self.eager(detached_clone(leaves))
+        except Exception:  # eager rejects these sizes: not the export's fault
+            return None
+        return run_and_compare(self.run, leaves, expected, self.tolerance)
+
+    def outcome(self, minimal: Sizes | None) -> VariationOutcome:
+        invalid = sum(v is None for v in self.verdicts)
+        outcome = VariationOutcome(
+            tried=len(self.examples), valid=len(self.examples) - invalid, invalid=invalid,
+            failed=sum(v is not None and not v.ok for v in self.verdicts), examples=self.examples,
+        )
+        if minimal is not None:
+            index = self.examples.index(minimal)
+            worst = self.verdicts[index]
+            assert worst is not None
+            outcome.failing_sizes = self.examples[index]
+            outcome.failing_leaves = self.leaves(outcome.failing_sizes)
+            outcome.max_abs = worst.max_abs if math.isfinite(worst.max_abs) else None
+            outcome.detail = worst.detail or worst.kind
+        return outcome
+
+
+def _range(observed_min: int, observed_max: int) -> tuple[int, int]:
+    return min(2, observed_min), min(max(2 * observed_max, SMALL_CEILING), MAX_SIZE)
+
+
+def _largest_input(shapes: ShapeModel, free: Sizes) -> int:
+    leaf_sizes = [math.prod(s) for s in leaf_shapes(shapes, complete_sizes(shapes, free)) if s is not None]
+    return max(leaf_sizes, default=0)
+
+
+def _settings(examples: int, seed: int | None, database_dir: Path) -> hypothesis.settings:
+    """hypothesis settings: no deadline, no targeting or explaining (bounded time); a directory
+    database unless derandomized (a seed, or ``CI=true``)."""
+    from hypothesis import Phase, Verbosity, settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    in_ci = os.environ.get("CI", "").strip().lower() in ("true", "1")
+    deterministic = seed is not None or in_ci
+    return settings(
+        max_examples=examples, deadline=None, derandomize=in_ci and seed is None,
+        database=None if deterministic else DirectoryBasedExampleDatabase(str(database_dir)),
+        phases=(Phase.reuse, Phase.generate, Phase.shrink), verbosity=Verbosity.quiet, print_blob=False,
+    )
+
+
+def _database_key(shapes: ShapeModel) -> bytes:
+    """A key stable for one model's inputs: leaf names, dtypes, static sizes, variable names
+    and relations (not the observed bounds, so that a saved failure survives new observations)."""
+    template = shapes.aligned.calls[shapes.aligned.complete_call()]
+    leaves = [
+        [name, str(value.dtype), [axes.get(d, s) for d, s in enumerate(value.shape)]]
+        if isinstance(value, torch.Tensor) else [name, type(value).__name__]
+        for name, value, axes in zip(shapes.aligned.leaf_names, template, shapes.leaf_axes())
+    ]
+    description = json.dumps({"leaves": leaves, "relations": [str(r) for r in shapes.relations]})
+    return DATABASE_PREFIX + hashlib.sha256(description.encode()).hexdigest().encode()

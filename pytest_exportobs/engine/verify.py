@@ -1,0 +1,181 @@
+"""Run an exported model on recorded inputs and compare every output with the eager reference."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils import _pytree
+
+from ..core.text import error_line
+from ..observe.alignment import AlignedCalls
+
+EPS = 1e-12
+HISTOGRAM_EDGES = (1e-6, 1e-4, 1e-2)  # |Δ| buckets: <1e-6, <1e-4, <1e-2, >=1e-2
+DEFAULT_TOLERANCES = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (1e-2, 1e-2),
+}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``|Δ| <= atol + rtol * |ref|`` per element; ``None`` takes the dtype's default
+    (fp64 1e-7, fp32 1e-4, fp16/bf16 1e-2, integers and bool exact)."""
+
+    atol: float | None = None
+    rtol: float | None = None
+
+    def for_dtype(self, dtype: torch.dtype) -> tuple[float, float]:
+        atol, rtol = DEFAULT_TOLERANCES.get(dtype, (0.0, 0.0))
+        return (atol if self.atol is None else self.atol, rtol if self.rtol is None else self.rtol)
+
+
+@dataclass
+class Discrepancy:
+    """Comparison of the outputs of one call.
+
+    ``kind`` is empty when within tolerance, ``mismatch`` for values beyond tolerance,
+    ``outputs`` when the output count, shape or dtype differs, ``error`` when the run raised.
+    """
+
+    index: int
+    ok: bool
+    kind: str = ""
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    n_beyond: int = 0
+    n_values: int = 0
+    histogram: list[int] = field(default_factory=lambda: [0] * (len(HISTOGRAM_EDGES) + 1))
+    detail: str = ""
+
+    def as_row(self) -> dict[str, Any]:
+        """The seed's row: ``index``, ``SUCCESS``, ``abs``, ``rel``, ``n``."""
+        return {"index": self.index, "SUCCESS": self.ok, "abs": self.max_abs, "rel": self.max_rel,
+                "n": self.n_values}
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-native: infinite differences (no comparable output) become ``None``."""
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+
+
+def compare(
+    actual: Sequence[Any], expected: Sequence[torch.Tensor | None], tolerance: Tolerance, index: int = 0
+) -> Discrepancy:
+    """Compare flattened outputs; ``expected`` may hold ``None`` for non-tensor outputs."""
+    expected = [t for t in expected if isinstance(t, torch.Tensor)]
+    actual = [torch.as_tensor(a) if not isinstance(a, torch.Tensor) else a for a in actual]
+    result = Discrepancy(index=index, ok=True)
+    if len(actual) != len(expected):
+        return _outputs_differ(result, f"{len(actual)} outputs, expected {len(expected)}")
+    for position, (got, ref) in enumerate(zip(actual, expected)):
+        if tuple(got.shape) != tuple(ref.shape):
+            return _outputs_differ(result, f"output {position} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+        _accumulate(result, got, ref, tolerance)
+    result.ok = result.n_beyond == 0
+    result.kind = "" if result.ok else "mismatch"
+    return result
+
+
+def _outputs_differ(result: Discrepancy, detail: str) -> Discrepancy:
+    result.ok, result.kind, result.detail = False, "outputs", detail
+    result.max_abs = result.max_rel = math.inf
+    return result
+
+
+def _accumulate(result: Discrepancy, got: torch.Tensor, ref: torch.Tensor, tolerance: Tolerance) -> None:
+    if ref.numel() == 0:
+        return
+    atol, rtol = tolerance.for_dtype(ref.dtype)
+    ref64 = ref.detach().to(torch.float64)
+    delta = (got.detach().to(torch.float64) - ref64).abs()
+    delta = torch.where(torch.isnan(delta) & ~torch.isnan(ref64), torch.full_like(delta, math.inf), delta)
+    delta = torch.nan_to_num(delta, nan=0.0)  # NaN in both: equal
+    relative = delta / (ref64.abs() + EPS)
+    result.n_values += delta.numel()
+    result.n_beyond += int((delta > atol + rtol * ref64.abs()).sum())
+    result.max_abs = max(result.max_abs, float(delta.max()))
+    result.max_rel = max(result.max_rel, float(relative.max()))
+    buckets = torch.bucketize(delta, torch.tensor(HISTOGRAM_EDGES, dtype=torch.float64))
+    for bucket, count in enumerate(torch.bincount(buckets.flatten(), minlength=len(HISTOGRAM_EDGES) + 1)):
+        result.histogram[bucket] += int(count)
+    if result.n_beyond and not result.detail:
+        result.detail = f"{result.n_beyond} of {result.n_values} values beyond atol={atol:g} rtol={rtol:g}"
+
+
+class OnnxRunner:
+    """An onnxruntime session fed with the flat leaves of an aligned call."""
+
+    def __init__(self, onnx_model_or_path: Any):
+        import onnxruntime
+
+        if hasattr(onnx_model_or_path, "model_proto"):  # torch.onnx.ONNXProgram
+            onnx_model_or_path = onnx_model_or_path.model_proto
+        if not isinstance(onnx_model_or_path, (str, Path)):
+            onnx_model_or_path = onnx_model_or_path.SerializeToString()
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3
+        self.session = onnxruntime.InferenceSession(
+            str(onnx_model_or_path) if isinstance(onnx_model_or_path, Path) else onnx_model_or_path,
+            options, providers=["CPUExecutionProvider"],
+        )
+        self.input_names = [i.name for i in self.session.get_inputs()]
+
+    def __call__(self, leaves: Sequence[Any]) -> list[np.ndarray]:
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if len(tensors) != len(self.input_names):
+            raise ValueError(
+                f"the ONNX model has {len(self.input_names)} inputs, the call gives {len(tensors)} tensors"
+            )
+        feeds = {name: t.detach().cpu().numpy() for name, t in zip(self.input_names, tensors)}
+        return self.session.run(None, feeds)
+
+
+def program_runner(
+    program: torch.export.ExportedProgram, aligned: AlignedCalls, constants: bool = True
+) -> Callable[[Sequence[Any]], list]:
+    """Run an ExportedProgram's module on flat leaves (``--export-target torch``); ``constants``
+    false when the program was exported with its constant arguments bound."""
+    module = program.module()
+
+    def run(leaves: Sequence[Any]) -> list:
+        args, kwargs = aligned.split_arguments(leaves, constants=constants)
+        return [t for t in _pytree.tree_leaves(module(*args, **kwargs)) if isinstance(t, torch.Tensor)]
+
+    return run
+
+
+def verify_calls(
+    run: Callable[[Sequence[Any]], Sequence[Any]],
+    calls: Sequence[Sequence[Any]],
+    references: Sequence[Sequence[torch.Tensor | None]],
+    tolerance: Tolerance,
+) -> list[Discrepancy]:
+    """Run every call (its flat leaves) and compare with its reference."""
+    return [
+        run_and_compare(run, leaves, reference, tolerance, index)
+        for index, (leaves, reference) in enumerate(zip(calls, references, strict=True))
+    ]
+
+
+def run_and_compare(
+    run: Callable[[Sequence[Any]], Sequence[Any]],
+    leaves: Sequence[Any],
+    reference: Sequence[torch.Tensor | None],
+    tolerance: Tolerance,
+    index: int = 0,
+) -> Discrepancy:
+    """Run the exported model on ``leaves`` and compare; a run that raises is an ``error``
+    verdict on this call, not a crash."""
+    try:
+        actual = run(leaves)
+    except Exception as e:
+        return Discrepancy(index, False, "error", math.inf, math.inf, detail=error_line(e))
+    return compare(actual, reference, tolerance, index)

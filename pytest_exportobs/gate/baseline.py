@@ -1,0 +1,154 @@
+"""The baseline of a suite's export checks: a small JSON file kept under version control.
+
+Per model the verdict, failing stage, named dynamic dims, relations, max |Δ| with its
+tolerance, ONNX opset and op counts.  Pure Python: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core.files import json_text, write_atomic
+from ..engine.result import FAILED, INCOMPLETE, PASSED, SKIPPED, ModelResult
+
+SCHEMA_VERSION = 1
+VERDICTS = (FAILED, INCOMPLETE, PASSED, SKIPPED)
+
+
+class BaselineError(ValueError):
+    """A baseline file that cannot be used; the message names the file and the problem."""
+
+
+def _is(*types: type) -> Callable[[Any], bool]:
+    """A check accepting instances of ``types``, never a bool (JSON true is no number)."""
+    return lambda value: isinstance(value, types) and not isinstance(value, bool)
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _dict_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, dict) and all(map(check, value.values()))
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(map(check, value))
+
+
+# BaselineEntry field -> (validity check, what a valid value is).
+_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "verdict": (lambda v: _is(str)(v) and v in VERDICTS, f"one of {', '.join(VERDICTS)}"),
+    "stage": (_is(str), "a string"),
+    "dims": (_dict_of(_dict_of(_is(str))), "an object of {axis: dim name} objects"),
+    "relations": (_list_of(_is(str)), "a list of strings"),
+    "max_abs": (_optional(_is(int, float)), "a number or null"),
+    "atol": (_optional(_is(int, float)), "a number or null"),
+    "rtol": (_optional(_is(int, float)), "a number or null"),
+    "opset": (_optional(_is(int)), "an integer or null"),
+    "op_counts": (_dict_of(_is(int)), "an object of integers"),
+}
+
+
+def _require(value: Any, check: Callable[[Any], bool], where: str, expected: str) -> None:
+    if not check(value):
+        raise BaselineError(f"{where} must be {expected}, got {json.dumps(value)[:60]}")
+
+
+@dataclass
+class BaselineEntry:
+    """What the baseline remembers of one model."""
+
+    verdict: str
+    stage: str = ""
+    dims: dict[str, dict[str, str]] = field(default_factory=dict)
+    relations: list[str] = field(default_factory=list)
+    max_abs: float | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    opset: int | None = None
+    op_counts: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_result(cls, result: ModelResult) -> BaselineEntry:
+        values = {f.name: copy.deepcopy(getattr(result, f.name)) for f in dataclasses.fields(cls)}
+        if result.passed:
+            values["stage"] = ""
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, name: str, data: Any) -> BaselineEntry:
+        """Validate one ``models`` item; raises BaselineError naming the model and field."""
+        where = f"model {name!r}"
+        _require(data, _is(dict), where, "an object")
+        if "verdict" not in data:
+            raise BaselineError(f"{where} has no verdict")
+        for key, (check, expected) in _CHECKS.items():
+            if key in data:
+                _require(data[key], check, f"{where}: {key}", expected)
+        return cls(**{key: data[key] for key in _CHECKS if key in data})
+
+
+@dataclass
+class Baseline:
+    """Per-model entries plus the environment they were recorded in (display only)."""
+
+    models: dict[str, BaselineEntry] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_results(cls, results: Iterable[ModelResult]) -> Baseline:
+        results = list(results)
+        return cls(
+            models={r.name: BaselineEntry.from_result(r) for r in results},
+            env={key: value for r in results for key, value in r.env.items()},
+        )
+
+    @classmethod
+    def from_json(cls, data: Any) -> Baseline:
+        """Validate a decoded baseline; raises BaselineError describing the first problem."""
+        _require(data, _is(dict), "the top level", "an object")
+        if "schema_version" not in data:
+            raise BaselineError("no schema_version (not an exportobs baseline?)")
+        version = data["schema_version"]
+        if not _is(int)(version) or version != SCHEMA_VERSION:
+            expected = f"expected {SCHEMA_VERSION}"
+            raise BaselineError(f"schema_version {json.dumps(version)} is not supported ({expected})")
+        _require(data.get("models"), _is(dict), "models", "an object")
+        env = data.get("env", {})
+        _require(env, _dict_of(_is(str)), "env", "an object of strings")
+        models = {name: BaselineEntry.from_json(name, item) for name, item in data["models"].items()}
+        return cls(models, dict(env))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Baseline:
+        """Read a baseline; any problem (missing, unreadable, invalid) raises BaselineError."""
+        path = Path(path)
+        try:
+            return cls.from_json(json.loads(path.read_text(encoding="utf-8")))
+        except OSError as exc:
+            raise BaselineError(f"{path}: cannot be read ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise BaselineError(f"{path}: not UTF-8 text") from None
+        except json.JSONDecodeError as exc:
+            where = f"line {exc.lineno}, column {exc.colno}"
+            raise BaselineError(f"{path}: not valid JSON ({exc.msg} at {where})") from None
+        except BaselineError as exc:
+            raise BaselineError(f"{path}: {exc}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "env": dict(self.env),
+            "models": {name: dataclasses.asdict(entry) for name, entry in self.models.items()},
+        }
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        return write_atomic(path, json_text(self.to_json()))

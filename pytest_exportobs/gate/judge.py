@@ -1,0 +1,158 @@
+"""The gate: judge a session's results against the baseline, one outcome per model."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.result import FAILED, INCOMPLETE, PASSED, SKIPPED, STAGES_WITH_DIMS, ModelResult
+from .baseline import Baseline, BaselineEntry
+
+# Gate outcomes besides passed / failed / skipped.
+XFAILED, XPASSED, MISSING = "xfailed", "xpassed", "missing"
+UPDATE_HINT = "run with --export-baseline-update to record"
+# Outcomes counted in an ok summary line besides passed; {s} is the plural mark.
+_COUNTED = {XFAILED: "known failure{s}", XPASSED: "fixed", SKIPPED: "skipped", MISSING: "missing"}
+
+
+def _failing(verdict: str) -> bool:
+    """An incomplete check counts as a failure for the gate."""
+    return verdict in (FAILED, INCOMPLETE)
+
+
+@dataclass
+class GateEntry:
+    """The gate's outcome for one model: passed, failed, xfailed, xpassed, skipped or missing."""
+
+    name: str
+    outcome: str
+    message: str = ""
+    regression: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Gate:
+    """One entry per model (sorted by name); ``failed`` is True when the gate fails the run."""
+
+    entries: list[GateEntry]
+    has_baseline: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return any(e.outcome == FAILED for e in self.entries)
+
+    def to_json(self) -> dict[str, Any]:
+        entries = [dataclasses.asdict(e) for e in self.entries]
+        return {"failed": self.failed, "summary": self.summary_line(), "entries": entries}
+
+    def summary_line(self) -> str:
+        """``exportobs gate: ok (3 passed, 1 known failure, 0 regressions)`` or what failed."""
+        if self.failed:
+            regressions = [e for e in self.entries if e.regression]
+            failures = [e for e in self.entries if e.outcome == FAILED and not e.regression]
+            parts = [_listed(regressions, "regression{s}"), _listed(failures, "failure{s}")]
+            line = ", ".join(part for part in parts if part)
+        else:
+            line = f"ok ({self._counts()})"
+        fixed = [e.name for e in self.entries if e.outcome == XPASSED]
+        if fixed:
+            line += f"; fixed: {', '.join(fixed)} — {UPDATE_HINT} {'it' if len(fixed) == 1 else 'them'}"
+        return f"exportobs gate: {line}"
+
+    def _counts(self) -> str:
+        count = Counter(e.outcome for e in self.entries)
+        parts = [f"{count[PASSED]} passed"]
+        parts += [_count(count[outcome], label) for outcome, label in _COUNTED.items() if count[outcome]]
+        parts.append("0 regressions" if self.has_baseline else "no baseline")
+        return ", ".join(parts)
+
+
+def _count(n: int, label: str) -> str:
+    """``_count(2, "regression{s}") == "2 regressions"``."""
+    return f"{n} {label.format(s='' if n == 1 else 's')}"
+
+
+def _listed(entries: list[GateEntry], label: str) -> str:
+    if not entries:
+        return ""
+    return f"{_count(len(entries), label)} ({'; '.join(f'{e.name}: {e.message}' for e in entries)})"
+
+
+def _at(what: str, stage: str) -> str:
+    return f"{what} at {stage}" if stage else what
+
+
+def gate(baseline: Baseline | None, results: list[ModelResult], strict: bool = False) -> Gate:
+    """Judge each model's result against its baseline entry (or on its own without a baseline)."""
+    old = baseline.models if baseline is not None else {}
+    new = {r.name: r for r in results}
+    has_baseline = baseline is not None
+    entries = [
+        _judge(new[name], old.get(name), strict, has_baseline) if name in new else _missing(name, strict)
+        for name in sorted(new.keys() | old.keys())
+    ]
+    return Gate(entries, has_baseline)
+
+
+def _judge(result: ModelResult, entry: BaselineEntry | None, strict: bool, has_baseline: bool) -> GateEntry:
+    name, verdict = result.name, result.verdict
+    if entry is not None:
+        notes = _notes(entry, result)
+    else:
+        notes = ["not in the baseline"] if has_baseline else []
+    if verdict == SKIPPED:
+        return GateEntry(name, SKIPPED, result.reason, notes=notes)
+    if result.expected_failure:  # the marker's xfail= decides, like pytest.mark.xfail
+        if _failing(verdict):
+            return GateEntry(name, XFAILED, f"expected failure: {result.expected_failure}", notes=notes)
+        return GateEntry(name, FAILED if strict else XPASSED,
+                         f"passes although marked xfail ({result.expected_failure})", notes=notes)
+    problems = _regressions(entry, result) if entry is not None else []
+    if problems:
+        return GateEntry(name, FAILED, "; ".join(problems), regression=True, notes=notes)
+    was_failing = entry is not None and _failing(entry.verdict)
+    if _failing(verdict) and was_failing:
+        return GateEntry(name, XFAILED, _at("known failure", result.stage), notes=notes)
+    if _failing(verdict):
+        return GateEntry(name, FAILED, _at(verdict, result.stage), notes=notes)
+    if not was_failing:
+        return GateEntry(name, PASSED, notes=notes)
+    fixed = f"fixed: {_at(entry.verdict, entry.stage)} in the baseline, passes now"
+    if strict:
+        return GateEntry(name, FAILED, f"{fixed} (strict) — {UPDATE_HINT} it", notes=notes)
+    return GateEntry(name, XPASSED, fixed, notes=notes)
+
+
+def _missing(name: str, strict: bool) -> GateEntry:
+    message = "in the baseline but not observed"
+    return GateEntry(name, FAILED, f"{message} (strict)") if strict else GateEntry(name, MISSING, message)
+
+
+def _regressions(entry: BaselineEntry, result: ModelResult) -> list[str]:
+    """A passing model now failing; dims dynamic in the baseline now static (when dims are known)."""
+    problems = []
+    if entry.verdict == PASSED and _failing(result.verdict):
+        problems.append(f"passed→{_at(result.verdict, result.stage)}")
+    if result.passed or (result.verdict == FAILED and result.stage in STAGES_WITH_DIMS):
+        problems += [
+            f"dim {input_name}.{axis} ({dim}) became static"
+            for input_name, axes in entry.dims.items()
+            for axis, dim in axes.items()
+            if axis not in result.dims.get(input_name, {})
+        ]
+    return problems
+
+
+def _notes(entry: BaselineEntry, result: ModelResult) -> list[str]:
+    """Changes worth a look that do not fail the gate."""
+    notes = []
+    if _failing(entry.verdict) and _failing(result.verdict) and entry.stage != result.stage:
+        notes.append(f"failing stage moved: {entry.stage or '?'} → {result.stage or '?'}")
+    if result.passed and entry.max_abs is not None and result.max_abs is not None:
+        old, new = f"{entry.max_abs:.2g}", f"{result.max_abs:.2g}"
+        if result.max_abs > entry.max_abs and old != new:
+            notes.append(f"max|Δ| grew {old} → {new}, within tolerance")
+    return notes

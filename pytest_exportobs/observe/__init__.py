@@ -1,0 +1,1 @@
+"""Observation: record a model's calls, align them on flat inputs, group them per model."""

@@ -1,0 +1,239 @@
+"""Record the inputs and eager outputs of a module's method while ordinary code calls it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree
+
+from ..core.trees import detached_clone, flattening_context
+from .alignment import AlignedCalls, align_calls
+
+
+@dataclass
+class Observation:
+    """One distinct call signature seen by an :class:`InputObserver`.
+
+    ``args``/``kwargs`` are detached clones taken before the call (models update caches in
+    place); ``outputs`` are the flattened eager outputs.  ``calls`` counts the calls that
+    had the same flattened shape signature and therefore stored no extra copy.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: list[torch.Tensor | None]
+    calls: int = 1
+    source: str = ""
+    instance: int = 0
+    weights_version: int = 0
+
+
+@dataclass
+class CallCounts:
+    """How many calls were recorded, merged into an existing signature, or not stored.
+
+    ``failed`` counts the calls that could not be recorded (inputs or outputs pytree cannot
+    flatten, ...): the model still ran, the reasons are in ``InputObserver.errors``.
+    """
+
+    stored: int = 0
+    duplicates: int = 0
+    dropped: int = 0
+    failed: int = 0
+
+
+def call_signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """A hashable key that is equal for two calls iff they flatten to the same shapes and constants.
+
+    Calls of plain tensors (most calls) skip pytree: this runs on every observed call."""
+    if all(type(t) is torch.Tensor for t in args) and all(type(t) is torch.Tensor for t in kwargs.values()):
+        return (
+            len(args), tuple(kwargs),
+            tuple((t.dtype, t.shape) for t in args), tuple((t.dtype, t.shape) for t in kwargs.values()),
+        )
+    leaves, spec = _pytree.tree_flatten((args, kwargs))
+    return (
+        str(spec),
+        tuple(
+            (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else (type(t), repr(t))
+            for t in leaves
+        ),
+    )
+
+
+def weights_version(module: torch.nn.Module) -> int:
+    """Sum of the in-place version counters of parameters and buffers: changes when weights do.
+
+    Inference tensors (made under ``torch.inference_mode``) have no version counter; they
+    count 0 (outside inference mode they cannot be modified in place).
+    """
+    return sum(
+        0 if t.is_inference() else t._version for t in (*module.parameters(), *module.buffers())
+    )
+
+
+class CallRecorder:
+    """Steals a method of a module to record its inputs and eager outputs.
+
+    ``value_if_missing`` gives, by argument name or position, the value to assume for an
+    argument absent from some calls (e.g. ``pixel_values`` after the prefill step); it is
+    only used to align calls, never to run the model.
+    """
+
+    def __init__(self, value_if_missing: dict[str | int, Any] | None = None):
+        self.value_if_missing: dict[str | int, Any] = dict(value_if_missing or {})
+        self.observations: list[Observation] = []
+        self.counts = CallCounts()
+        self.signature: inspect.Signature | None = None
+        self.source = ""
+        self.errors: list[str] = []  # why calls could not be recorded (distinct messages)
+        self._by_key: dict[tuple, Observation] = {}
+
+    def num_obs(self) -> int:
+        """Number of stored (distinct) observations."""
+        return len(self.observations)
+
+    @contextlib.contextmanager
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        store_n_calls: int = 3,
+        method_name: str = "forward",
+    ) -> Iterator[CallRecorder]:
+        """Record the calls of ``model.<method_name>`` made inside the ``with`` block.
+
+        At most ``store_n_calls`` new distinct call signatures are stored per block; the
+        original method is restored on exit, whatever happens inside.
+        """
+        if not isinstance(store_n_calls, int) or store_n_calls < 0:
+            raise ValueError(f"store_n_calls must be a non-negative int, got {store_n_calls!r}")
+        method = getattr(model, method_name, None)
+        if not callable(method):
+            raise ValueError(f"{type(model).__name__} has no method {method_name!r} to observe")
+        signature = inspect.signature(method)
+        self._check_signature(signature)
+        limit = len(self.observations) + store_n_calls
+        had_instance_attr = method_name in vars(model)
+        wrapper = self._make_wrapper(model, method, signature, limit)
+        # Registered once for the block, not per call: flattening caches is on the hot path.
+        with flattening_context():
+            setattr(model, method_name, wrapper)
+            try:
+                yield self
+            finally:
+                if had_instance_attr:
+                    setattr(model, method_name, method)
+                else:
+                    delattr(model, method_name)
+
+    def _check_signature(self, signature: inspect.Signature) -> None:
+        if self.signature is not None and list(self.signature.parameters) != list(signature.parameters):
+            raise ValueError(
+                f"this observer already recorded a method with parameters "
+                f"{list(self.signature.parameters)}, now asked to observe {list(signature.parameters)}"
+            )
+        names = list(signature.parameters)
+        accepts_var_keyword = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+        )
+        for key in self.value_if_missing:
+            if isinstance(key, int) and not 0 <= key < len(names):
+                raise ValueError(
+                    f"value_if_missing key {key} is no position of the signature {tuple(names)}"
+                )
+            if isinstance(key, str) and key not in names and not accepts_var_keyword:
+                raise ValueError(
+                    f"value_if_missing key {key!r} is not an argument of the signature {tuple(names)}"
+                )
+            if not isinstance(key, (int, str)):
+                raise TypeError(f"value_if_missing keys are names or positions, got {key!r}")
+        self.signature = signature
+
+    def _make_wrapper(
+        self, model: torch.nn.Module, method: Callable, signature: inspect.Signature, limit: int
+    ) -> Callable:
+        @functools.wraps(method)
+        def observed(*args: Any, **kwargs: Any) -> Any:
+            # Observing never changes what the call does: a call that cannot be recorded
+            # (a cache pytree cannot flatten, ...) still runs and is counted as failed.
+            try:
+                ordered = self._ordered(kwargs)
+                key = call_signature(args, ordered)
+                known = self._by_key.get(key)
+                if known is not None or len(self.observations) >= limit:
+                    self._count_unstored(known)
+                    inputs = None
+                else:
+                    inputs = detached_clone((args, ordered))
+            except Exception as e:
+                self._count_failed(e)
+                inputs = None
+            if inputs is None:
+                return method(*args, **kwargs)
+            outputs = method(*args, **kwargs)
+            try:
+                observation = Observation(
+                    args=inputs[0],
+                    kwargs=inputs[1],
+                    outputs=[
+                        t.detach().clone() if isinstance(t, torch.Tensor) else None
+                        for t in _pytree.tree_leaves(outputs)
+                    ],
+                    source=self.source,
+                    instance=id(model),
+                    weights_version=weights_version(model),
+                )
+            except Exception as e:
+                self._count_failed(e)
+            else:
+                self._store(key, observation)
+            return outputs
+
+        observed.__signature__ = signature  # type: ignore[attr-defined]
+        return observed
+
+    def _count_unstored(self, known: Observation | None) -> None:
+        if known is None:
+            self.counts.dropped += 1
+        else:
+            known.calls += 1
+            self.counts.duplicates += 1
+
+    def _count_failed(self, error: Exception) -> None:
+        self.counts.failed += 1
+        message = f"{type(error).__name__}: {error}"
+        if message not in self.errors:
+            self.errors.append(message)
+
+    def _store(self, key: tuple, observation: Observation) -> None:
+        self._by_key[key] = observation
+        self.observations.append(observation)
+        self.counts.stored += 1
+
+    def _ordered(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments in signature order (torch.export matches them by order)."""
+        assert self.signature is not None
+        names = [n for n in self.signature.parameters if n in kwargs]
+        return {**{n: kwargs[n] for n in names}, **kwargs}
+
+    def aligned(self, keep_majority: bool = False) -> AlignedCalls:
+        """The stored observations aligned on one input structure (see :mod:`.alignment`);
+        ``keep_majority`` keeps the calls sharing the most frequent constant arguments instead
+        of raising when they differ."""
+        if not self.observations or self.signature is None:
+            reason = (
+                f"; {self.counts.failed} call(s) could not be recorded: {'; '.join(self.errors)}"
+                if self.counts.failed else ""
+            )
+            raise ValueError(f"no call was recorded: call the model inside `with observer(model):`{reason}")
+        with flattening_context():
+            return align_calls(
+                [(o.args, o.kwargs) for o in self.observations], self.signature, self.value_if_missing,
+                keep_majority=keep_majority,
+            )

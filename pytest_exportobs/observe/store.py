@@ -1,0 +1,147 @@
+"""Group the observations of one model across the tests of a session.
+
+A group is named by the marker's ``name=``, else the fixture name, else (``watch()`` without a
+name) the model class's qualified name.  When one default name would cover models of different
+classes or parameter shapes, the groups are split and suffixed ``[ClassName-<digest>]``; an
+explicit name covering such models is an error.  The first instance observed is kept: it is the
+one exported, and observations made on it with unchanged weights keep their recorded outputs as
+the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .recorder import CallRecorder, weights_version
+
+
+MAX_OBSERVATIONS = 32  # distinct call signatures kept per model over a session (memory bound)
+
+
+@dataclass(frozen=True)
+class ObserveOptions:
+    """What the ``observe_export`` marker and ``watch()`` accept besides fixture names."""
+
+    name: str | None = None
+    set_batch_dimension_for: bool | frozenset[int | str] | None = None
+    value_if_missing: dict[str | int, Any] | None = None
+    dim_names: dict[str, str] | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    examples: int | None = None
+    method: str = "forward"
+    xfail: bool | str | None = None
+    patches: tuple[str, ...] = ()
+    store_n_calls: int = 3
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any], where: str) -> ObserveOptions:
+        """Validated options; unknown keys or wrong types raise ``TypeError`` naming ``where``."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{where}: unknown argument(s) {unknown}; accepted: {sorted(known)}")
+        values = dict(kwargs)
+        batch = values.get("set_batch_dimension_for")
+        if batch is not None and not isinstance(batch, bool):
+            values["set_batch_dimension_for"] = frozenset(batch)
+        if isinstance(values.get("patches"), str):
+            values["patches"] = (values["patches"],)
+        values["patches"] = tuple(values.get("patches", ()))
+        for key in ("atol", "rtol"):
+            if values.get(key) is not None and not isinstance(values[key], (int, float)):
+                raise TypeError(f"{where}: {key} must be a number, got {values[key]!r}")
+        examples = values.get("examples")
+        if examples is not None and (not isinstance(examples, int) or examples < 0):
+            raise TypeError(f"{where}: examples must be a non-negative int, got {examples!r}")
+        return cls(**values)
+
+
+@dataclass
+class ModelGroup:
+    """All observations of one model in the session and the instance to export."""
+
+    name: str
+    identity: str
+    module: torch.nn.Module
+    options: ObserveOptions
+    explicit: bool
+    recorder: CallRecorder = field(default_factory=CallRecorder)
+    sources: list[str] = field(default_factory=list)
+
+    @property
+    def model_class(self) -> str:
+        cls = type(self.module)
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    def is_reference_valid(self, instance: int, version: int) -> bool:
+        """Recorded outputs are the reference iff made on the kept instance with today's weights."""
+        return instance == id(self.module) and version == weights_version(self.module)
+
+
+def identity(module: torch.nn.Module) -> str:
+    """``ClassName-<6 hex digits>`` of the class and parameter shapes."""
+    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    digest = hashlib.sha1(repr((type(module).__qualname__, shapes)).encode()).hexdigest()[:6]
+    return f"{type(module).__name__}-{digest}"
+
+
+class SessionStore:
+    """The groups of a session, by final name."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, ModelGroup] = {}
+        self._by_base: dict[str, dict[str, str]] = {}  # base name -> identity -> group name
+        self._identities: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+    def group_for(
+        self, module: torch.nn.Module, default_name: str, options: ObserveOptions
+    ) -> ModelGroup:
+        """The group ``module`` belongs to, created (or split) as needed."""
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"{default_name!r} is a {type(module).__name__}, not a torch.nn.Module: nothing to observe")
+        explicit = options.name is not None
+        base = options.name or default_name
+        ident = self._identities.get(module) or self._identities.setdefault(module, identity(module))
+        members = self._by_base.setdefault(base, {})
+        if ident in members:
+            return self.groups[members[ident]]
+        if members and (explicit or any(self.groups[g].explicit for g in members.values())):
+            other = next(iter(members))
+            raise ValueError(
+                f"name {base!r} already covers a {other} model; this one is {ident}: "
+                f"give each model its own name="
+            )
+        if len(members) == 1:
+            self._rename(base, next(iter(members)), f"{base}[{next(iter(members))}]")
+        name = f"{base}[{ident}]" if members else base
+        members[ident] = name
+        self.groups[name] = ModelGroup(name, ident, module, options, explicit,
+                                       CallRecorder(options.value_if_missing))
+        return self.groups[name]
+
+    def _rename(self, base: str, ident: str, new_name: str) -> None:
+        group = self.groups.pop(self._by_base[base][ident])
+        group.name = new_name
+        self.groups[new_name] = group
+        self._by_base[base][ident] = new_name
+
+    @contextlib.contextmanager
+    def observe(self, module: torch.nn.Module, default_name: str, options: ObserveOptions,
+                source: str) -> Iterator[ModelGroup]:
+        """Record the calls of ``module`` into its group while the block runs."""
+        group = self.group_for(module, default_name, options)
+        if source not in group.sources:
+            group.sources.append(source)
+        group.recorder.source = source
+        room = max(0, MAX_OBSERVATIONS - group.recorder.num_obs())
+        with group.recorder(module, store_n_calls=min(options.store_n_calls, room), method_name=options.method):
+            yield group

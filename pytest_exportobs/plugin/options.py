@@ -1,0 +1,123 @@
+"""Command-line options and ini keys of the plugin, read into one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ..engine.settings import TARGETS, CheckSettings
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the user asked of the plugin for one session (command line first, then ini): the
+    plugin's own switches, and the engine's :class:`CheckSettings`."""
+
+    enabled: bool
+    report: Path | None
+    baseline: Path | None
+    baseline_update: bool
+    strict: bool
+    isolate: bool
+    check: CheckSettings
+
+    @classmethod
+    def from_config(cls, config: pytest.Config) -> Options:
+        """Read options and ini keys; bad values raise ``pytest.UsageError``."""
+        option = config.option
+        return cls(
+            enabled=bool(option.export_check) or config.getini("export_check"),
+            report=_path(config, option.export_report, "export_report"),
+            baseline=_path(config, option.export_baseline, "export_baseline"),
+            baseline_update=bool(option.export_baseline_update),
+            strict=bool(option.export_strict) or config.getini("export_strict"),
+            isolate=bool(option.export_isolate) or config.getini("export_isolate"),
+            check=CheckSettings(
+                export_dir=_path(config, option.export_dir, "export_dir") or config.rootpath / ".exportobs",
+                target=_target(option.export_target or config.getini("export_target") or "onnx"),
+                atol=_float(config.getini("export_atol"), "export_atol"),
+                rtol=_float(config.getini("export_rtol"), "export_rtol"),
+                examples=_int(option.export_examples, config.getini("export_examples"), "export_examples"),
+                patches=tuple(config.getini("export_patches")),
+                hypothesis_seed=_hypothesis_seed(config),
+            ),
+        )
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Register the ``exportobs`` option group and its ini keys."""
+    group = parser.getgroup("exportobs", "export-readiness checks of observed PyTorch models")
+    group.addoption("--export-check", action="store_true", default=None,
+                    help="observe the models named by observe_export / export_observer and check "
+                         "their export to ONNX at the end of the session (ini: export_check)")
+    group.addoption("--export-dir", metavar="DIR", default=None,
+                    help="artifacts: ONNX files, repro scripts, export cache (default: .exportobs under rootdir)")
+    group.addoption("--export-report", metavar="PATH", default=None,
+                    help="write a JSON report there, and a Markdown one beside it (.md)")
+    group.addoption("--export-baseline", metavar="PATH", default=None,
+                    help="baseline to gate against: a model that passed there and fails now fails the run")
+    group.addoption("--export-baseline-update", action="store_true", default=False,
+                    help="write this session's results as the new baseline")
+    group.addoption("--export-examples", metavar="N", type=int, default=None,
+                    help="hypothesis shape variations per model (default 10, 0 = off)")
+    group.addoption("--export-target", choices=TARGETS, default=None,
+                    help="stop after torch.export (torch, fast) or go to ONNX + onnxruntime (onnx, default)")
+    group.addoption("--export-strict", action="store_true", default=None,
+                    help="a fixed known failure or a baseline entry with no model fails the gate")
+    group.addoption("--export-isolate", action="store_true", default=None,
+                    help="export and run each model in a subprocess (a native crash fails one model)")
+    parser.addini("export_check", "observe and check exports (like --export-check)", type="bool", default=False)
+    parser.addini("export_dir", "artifacts directory (like --export-dir)", default="")
+    parser.addini("export_report", "JSON report path (like --export-report)", default="")
+    parser.addini("export_baseline", "baseline path (like --export-baseline)", default="")
+    parser.addini("export_examples", "shape variations per model (like --export-examples)", default="10")
+    parser.addini("export_target", "onnx or torch (like --export-target)", default="onnx")
+    parser.addini("export_strict", "strict gate (like --export-strict)", type="bool", default=False)
+    parser.addini("export_isolate", "one subprocess per model (like --export-isolate)", type="bool", default=False)
+    parser.addini("export_atol", "absolute tolerance for every model (default: per dtype)", default="")
+    parser.addini("export_rtol", "relative tolerance for every model (default: per dtype)", default="")
+    parser.addini("export_patches", "dotted paths to context-manager factories entered around export "
+                  "and verification", type="linelist", default=[])
+
+
+def _path(config: pytest.Config, cli: str | None, ini_key: str) -> Path | None:
+    if cli:
+        return Path(config.invocation_params.dir, cli)
+    value = config.getini(ini_key)
+    if not value:
+        return None
+    base = config.inipath.parent if config.inipath else config.rootpath
+    return Path(base, value)
+
+
+def _int(cli: int | None, ini: str, name: str) -> int:
+    value = cli if cli is not None else ini
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise pytest.UsageError(f"{name} must be a non-negative integer, got {value!r}") from None
+    if number < 0:
+        raise pytest.UsageError(f"{name} must be a non-negative integer, got {number}")
+    return number
+
+
+def _float(value: str, name: str) -> float | None:
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise pytest.UsageError(f"{name} must be a number, got {value!r}") from None
+
+
+def _target(value: str) -> str:
+    if value not in TARGETS:
+        raise pytest.UsageError(f"export_target must be one of {TARGETS}, got {value!r}")
+    return value
+
+
+def _hypothesis_seed(config: pytest.Config) -> int | None:
+    seed = getattr(config.option, "hypothesis_seed", None)
+    return int(seed) if seed is not None else None

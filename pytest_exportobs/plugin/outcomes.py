@@ -1,0 +1,112 @@
+"""Report models to pytest: one ``exportobs::<name>`` test outcome each, and a terminal summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ..engine.result import ModelResult
+from ..gate.judge import Gate, GateEntry
+
+PREFIX = "exportobs::"
+# gate outcome -> (pytest outcome, is an expected failure)
+OUTCOMES = {
+    "passed": ("passed", False),
+    "failed": ("failed", False),
+    "xfailed": ("skipped", True),
+    "xpassed": ("passed", True),
+    "skipped": ("skipped", False),
+    "missing": ("skipped", False),
+}
+
+
+def log_outcomes(config: pytest.Config, results: dict[str, ModelResult], gate: Gate) -> None:
+    """Send setup/call/teardown reports of every model through pytest's hooks (terminal,
+    junitxml, ``-rA`` and the exit status see them like any test)."""
+    verbose = config.get_verbosity() > 0
+    for entry in gate.entries:
+        result = results.get(entry.name)
+        nodeid = f"{PREFIX}{entry.name}"
+        location = ("exportobs", None, nodeid)
+        config.hook.pytest_runtest_logstart(nodeid=nodeid, location=location)
+        for when in ("setup", "call", "teardown"):
+            config.hook.pytest_runtest_logreport(report=_report(nodeid, location, when, entry, result, verbose))
+        config.hook.pytest_runtest_logfinish(nodeid=nodeid, location=location)
+
+
+def _report(
+    nodeid: str, location: tuple, when: str, entry: GateEntry, result: ModelResult | None, verbose: bool
+) -> pytest.TestReport:
+    outcome, expected = OUTCOMES[entry.outcome] if when == "call" else ("passed", False)
+    longrepr: Any = None
+    if when == "call" and outcome == "failed":
+        longrepr = failure_text(entry, result, verbose)
+    elif when == "call" and outcome == "skipped" and not expected:
+        longrepr = ("exportobs", None, f"Skipped: {entry.name}: {entry.message or (result.reason if result else '')}")
+    report = pytest.TestReport(
+        nodeid=nodeid, location=location, keywords={"exportobs": 1}, outcome=outcome, longrepr=longrepr,
+        when=when, duration=result.elapsed if (result and when == "call") else 0.0,
+        user_properties=[("exportobs_stage", result.stage)] if (result and when == "call") else [],
+    )
+    if when == "call" and expected:
+        report.wasxfail = entry.message or "known export failure"
+    if when == "call" and result is not None:
+        report.sections.append(("exportobs", detail_text(result)))
+    return report
+
+
+def failure_text(entry: GateEntry, result: ModelResult | None, verbose: bool) -> str:
+    """What a failing model shows under FAILURES: the gate message and reason on the first line
+    (the short summary shows it), then where to look; the traceback with ``-v``."""
+    if result is None or not result.reason:
+        return f"{entry.name}: {entry.message}"
+    lines = [f"{entry.message}: {result.reason}", f"stage={result.stage} kind={result.kind}"]
+    if result.repro_path:
+        lines.append(f"repro: {result.repro_path}")
+    lines.extend(f"note: {n}" for n in result.notes)
+    if result.traceback and verbose:
+        lines.extend(["", result.traceback.rstrip()])
+    elif result.traceback:
+        lines.append("(run with -v for the traceback)")
+    return "\n".join(lines)
+
+
+def detail_text(result: ModelResult) -> str:
+    """Dims, relations, observations and numbers of one model (shown with ``-rA``)."""
+    lines = [
+        f"class: {result.model_class}",
+        f"dynamic dims: {result.dims_text()}",
+        f"relations: {', '.join(result.relations) or 'none'}",
+        f"observations: {result.n_observations} distinct of {result.n_calls} calls; reference: {result.reference or '-'}",
+        f"max |Δ|: {_number(result.max_abs)}  max rel: {_number(result.max_rel)}",
+        "timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()),
+    ]
+    if result.variations:
+        v = result.variations
+        lines.append(f"variations: {v['tried']} tried, {v['valid']} valid, {v['failed']} failed")
+    lines.extend(f"note: {n}" for n in result.notes)
+    if result.onnx_path:
+        lines.append(f"onnx: {result.onnx_path}" + (" (cache hit)" if result.cache_hit else ""))
+    return "\n".join(lines)
+
+
+def summary_rows(results: dict[str, ModelResult], gate: Gate) -> list[str]:
+    """The terminal summary table: model, verdict, stage, dims, observations, max |Δ|, time."""
+    header = ("model", "verdict", "stage", "obs", "max|Δ|", "time", "dynamic dims")
+    rows = [header]
+    for entry in gate.entries:
+        result = results.get(entry.name)
+        if result is None:
+            rows.append((entry.name, entry.outcome, "-", "-", "-", "-", entry.message))
+            continue
+        rows.append((
+            entry.name, entry.outcome, result.stage or "-", str(result.n_observations),
+            _number(result.max_abs), f"{result.elapsed:.1f}s", result.dims_text(),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    return ["  ".join([*(c.ljust(w) for c, w in zip(r, widths)), r[-1]]).rstrip() for r in rows]
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2g}"

@@ -1,0 +1,110 @@
+"""The plugin's role in this process, chosen once at configure (as pytest-cov does):
+
+* :class:`LocalRole`: no xdist workers; observes the tests, checks the models, concludes;
+* :class:`WorkerRole`: an xdist worker; observes, checks its models, sends JSON results;
+* :class:`ControllerRole`: the xdist controller; runs no test, merges the workers' results, concludes.
+
+Each role is a plugin object registered at configure and unregistered at unconfigure; its hooks
+only delegate to the observing and concluding sides and to the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ..engine.result import ModelResult
+from . import xdist
+from .conclusion import Concluding, incomplete, progress_writer
+from .observing import OBSERVED_PROPERTY, Observing
+from .options import Options
+
+
+def _check(groups: list[Any], options: Options, progress: Callable[[str], None] | None) -> list[ModelResult]:
+    """Check the groups observed in this process (torch is imported only when there are some)."""
+    if not groups:
+        return []
+    from ..engine.runner import check_all
+
+    return list(check_all(groups, options.check, options.isolate, progress))
+
+
+class LocalRole(Observing, Concluding):
+    """The only process of the session."""
+
+    def __init__(self, config: pytest.Config, options: Options):
+        Observing.__init__(self)
+        Concluding.__init__(self, config, options)
+
+    @pytest.hookimpl(tryfirst=True)  # before junitxml writes its file in its own sessionfinish
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        for result in _check(self.groups(), self.options, progress_writer(self.config)):
+            self.results[result.name] = result
+        self.conclude(session, observed=set())
+
+
+class WorkerRole(Observing):
+    """An xdist worker: checks the models observed here and sends the results to the controller."""
+
+    def __init__(self, config: pytest.Config, options: Options):
+        super().__init__()
+        self.config = config
+        self.options = options
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        xdist.pin_on_worker(config, items)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        results = _check(self.groups(), self.options, progress=None)
+        self.config.workeroutput[xdist.OUTPUT_KEY] = {"results": [r.to_json() for r in results]}
+
+
+class ControllerRole(Concluding):
+    """The xdist controller: knows the observed models from the test reports, the results from
+    the workers' output."""
+
+    def __init__(self, config: pytest.Config, options: Options):
+        super().__init__(config, options)
+        self.observed: set[str] = set()  # group names seen in test reports
+        self.checked_on: dict[str, str] = {}  # group name -> worker that sent its result
+        xdist.pin_on_controller(config)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node: Any) -> None:
+        xdist.configure_node(node)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.observed.update(value for key, value in report.user_properties if key == OBSERVED_PROPERTY)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        output = getattr(node, "workeroutput", {}).get(xdist.OUTPUT_KEY)
+        self._merge(output, node.gateway.id)
+
+    def _merge(self, output: dict[str, Any] | None, worker: str) -> None:
+        """Merge a worker's results; a model checked on two workers is incomplete, not guessed."""
+        for data in (output or {}).get("results", []):
+            result = ModelResult.from_json(data)
+            first = self.checked_on.setdefault(result.name, worker)
+            if first != worker:
+                result = incomplete(result.name, f"observed on workers {first} and {worker}: "
+                                    "the observations of one model must stay on one worker "
+                                    "(run with --dist load or loadgroup)")
+            self.results[result.name] = result
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.conclude(session, self.observed)
+
+
+def choose_role(config: pytest.Config, options: Options) -> LocalRole | WorkerRole | ControllerRole:
+    """The role of this process in the session."""
+    if xdist.is_worker(config):
+        return WorkerRole(config, options)
+    if xdist.is_controller(config):
+        return ControllerRole(config, options)
+    return LocalRole(config, options)

@@ -1,0 +1,60 @@
+"""pytest-xdist support: keep every observing test on one worker, bring results to the controller.
+
+The observations of one model must all reach the process that checks it.  On the controller the
+plugin switches ``--dist load`` to ``loadgroup`` (LoadGroupScheduling sends the tests whose node
+id ends in ``@<group>`` to one worker); on each worker it gives every observing test (marker or
+``export_observer`` fixture) the ``@exportobs`` suffix.  xdist's own suffixing of
+``xdist_group``-marked tests writes ``item._nodeid``, which pytest ≥ 9.1 no longer reads, so the
+suffix is set here for both layouts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .observing import observes
+
+GROUP = "exportobs"
+PIN_KEY = "exportobs_pin"  # workerinput: the controller pins observing tests to one worker
+OUTPUT_KEY = "exportobs"  # workeroutput: the worker's JSON results
+
+
+def is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def is_controller(config: pytest.Config) -> bool:
+    """Whether this process distributes the tests to xdist workers."""
+    return config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") != "no"
+
+
+def pin_on_controller(config: pytest.Config) -> None:
+    """Schedule by group so that the observing tests share one worker."""
+    if config.option.dist == "load":
+        config.option.dist = "loadgroup"
+
+
+def configure_node(node: Any) -> None:
+    """Tell a new worker whether to pin (only ``loadgroup`` scheduling reads the suffix)."""
+    node.workerinput[PIN_KEY] = node.config.option.dist == "loadgroup"
+
+
+def pin_on_worker(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every observing test the ``@exportobs`` group suffix, when the controller asked."""
+    if not config.workerinput.get(PIN_KEY):
+        return
+    for item in items:
+        if observes(item):
+            _add_group_suffix(item)
+
+
+def _add_group_suffix(item: pytest.Item) -> None:
+    nodeid = f"{item.nodeid}@{GROUP}"
+    if hasattr(item, "_id"):  # pytest >= 9.1: a structured NodeId
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(nodeid)
+    else:
+        item._nodeid = nodeid

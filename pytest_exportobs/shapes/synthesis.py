@@ -1,0 +1,149 @@
+"""Build new, valid inputs at chosen dimension sizes from the recorded ones.
+
+Used for an export example where every dynamic dimension is at least 2 (when no recorded call
+has that) and for the hypothesis shape variations.  Each flat leaf gets a recipe learned from
+the recorded calls: floats are random, integers stay within their observed range (token ids stay
+valid), 0/1 masks keep their value set, ``arange``-like inputs (position ids, cache positions)
+stay ``arange``-like from an offset that follows the variable it matched (``past_seq``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .model import ShapeModel
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to fill one leaf: ``kind`` is float, int, ones, mask, arange or keep (not a tensor)."""
+
+    kind: str
+    dtype: torch.dtype | None = None
+    low: int = 0
+    high: int = 0
+    offset_var: str | None = None
+
+
+def free_variables(shapes: ShapeModel) -> list[str]:
+    """Variables a caller may size; derived ones follow their relation."""
+    derived = {r.derived for r in shapes.relations}
+    return [v.name for v in shapes.variables if v.name not in derived]
+
+
+def complete_sizes(shapes: ShapeModel, free: dict[str, int]) -> dict[str, int]:
+    """Sizes of every variable from the free ones (derived = sum of terms + constant)."""
+    sizes = dict(free)
+    for relation in shapes.relations:
+        sizes[relation.derived] = sum(sizes[t] for t in relation.terms) + relation.constant
+    return sizes
+
+
+def export_sizes(shapes: ShapeModel) -> dict[str, int]:
+    """Sizes of the representative call with every free variable raised to at least 2."""
+    index = shapes.aligned.complete_call()
+    free = {}
+    for var in shapes.variables:
+        size = var.values[index]
+        free[var.name] = size if size is not None and size >= 2 else max(2, var.bounds[1])
+    return complete_sizes(shapes, {n: free[n] for n in free_variables(shapes)})
+
+
+def example_leaves(shapes: ShapeModel) -> list[Any]:
+    """Flat leaves to export with: a recorded call with every dynamic size at least 2 (torch.export
+    specializes 0 and 1), else inputs synthesized from the recorded ones at :func:`export_sizes`."""
+    index = shapes.safe_call()
+    if index is not None:
+        return shapes.call_leaves(index)
+    return build_leaves(shapes, export_sizes(shapes), torch.Generator().manual_seed(0))
+
+
+def recipes(shapes: ShapeModel) -> list[Recipe]:
+    """One recipe per flat leaf, learned from every call where the leaf is present."""
+    return [_recipe(shapes, leaf) for leaf in range(len(shapes.aligned.leaf_names))]
+
+
+def build_leaves(
+    shapes: ShapeModel, sizes: dict[str, int], generator: torch.Generator, leaf_recipes: list[Recipe] | None = None
+) -> list[Any]:
+    """Flat leaves of a new call where each variable has the given size."""
+    template = shapes.aligned.calls[shapes.aligned.complete_call()]
+    leaf_recipes = leaf_recipes or recipes(shapes)
+    return [
+        value if recipe.kind == "keep" else _fill(recipe, list(shape), sizes, generator)
+        for value, recipe, shape in zip(template, leaf_recipes, leaf_shapes(shapes, sizes))
+    ]
+
+
+def leaf_shapes(shapes: ShapeModel, sizes: dict[str, int]) -> list[tuple[int, ...] | None]:
+    """Shape of every flat leaf of the representative call resized to ``sizes`` (``None``: no tensor)."""
+    template = shapes.aligned.calls[shapes.aligned.complete_call()]
+    return [
+        tuple(sizes[axes[d]] if d in axes else s for d, s in enumerate(value.shape))
+        if isinstance(value, torch.Tensor) else None
+        for value, axes in zip(template, shapes.leaf_axes())
+    ]
+
+
+def _fill(recipe: Recipe, shape: list[int], sizes: dict[str, int], generator: torch.Generator) -> torch.Tensor:
+    if recipe.kind == "float":
+        return torch.randn(shape, generator=generator).to(recipe.dtype)
+    if recipe.kind == "int":
+        return torch.randint(recipe.low, recipe.high + 1, shape, generator=generator, dtype=recipe.dtype)
+    if recipe.kind == "ones":
+        return torch.ones(shape, dtype=recipe.dtype)
+    if recipe.kind == "mask":
+        mask = torch.randint(0, 2, shape, generator=generator)
+        if mask.ndim:
+            mask[..., -1] = 1  # never a fully masked row
+        return mask.to(recipe.dtype)
+    offset = sizes[recipe.offset_var] if recipe.offset_var else recipe.low
+    length = shape[-1] if shape else 1
+    return (torch.arange(length) + offset).expand(shape).to(recipe.dtype).clone()
+
+
+def _recipe(shapes: ShapeModel, leaf: int) -> Recipe:
+    present = [(i, call[leaf]) for i, call in enumerate(shapes.aligned.calls) if call[leaf] is not None]
+    tensors = [(i, t) for i, t in present if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return Recipe("keep")
+    dtype = tensors[0][1].dtype
+    if dtype.is_floating_point or dtype.is_complex:
+        return Recipe("float", dtype)
+    values = [t for _, t in tensors if t.numel()]
+    if not values:
+        return Recipe("ones", dtype)
+    low = min(int(t.min()) for t in values)
+    high = max(int(t.max()) for t in values)
+    if dtype == torch.bool or (low >= 0 and high <= 1):
+        return Recipe("ones" if low == 1 else "mask", dtype)
+    offsets = [_arange_offset(t) for _, t in tensors]
+    if all(o is not None for o in offsets):
+        # Rows of length 1 (decode steps) are arange-like only when they follow a variable.
+        var = _matching_variable(shapes, [i for i, _ in tensors], offsets)
+        if var is not None or any(t.shape[-1] > 1 for _, t in tensors):
+            return Recipe("arange", dtype, low=offsets[0] if var is None else 0, offset_var=var)
+    return Recipe("int", dtype, low, high)
+
+
+def _arange_offset(t: torch.Tensor) -> int | None:
+    """``c`` when every row of ``t`` is ``c, c+1, ...``, else ``None``."""
+    if t.ndim == 0 or t.numel() == 0:
+        return None
+    start = t[..., :1]
+    if not torch.equal(t, start + torch.arange(t.shape[-1], dtype=t.dtype)) or start.unique().numel() != 1:
+        return None
+    return int(start.flatten()[0])
+
+
+def _matching_variable(shapes: ShapeModel, calls: list[int], offsets: list[int | None]) -> str | None:
+    """The variable whose size equals the arange offset in every call, when offsets vary."""
+    if len(set(offsets)) < 2:
+        return None
+    for var in shapes.variables:
+        if all(var.values[i] == o for i, o in zip(calls, offsets)):
+            return var.name
+    return None

@@ -1,0 +1,98 @@
+"""Small models shared by the tests, and the one helper several test modules need.
+
+Plugin tests write this file into their pytester project (``pytester.makepyfile(models=SOURCE)``),
+so it imports nothing but torch and stays self-contained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).read_text()
+
+
+class MLP(torch.nn.Module):
+    """Exports to ONNX with a dynamic batch: ``(batch, 8) -> (batch, 4)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)))
+
+
+class Branchy(torch.nn.Module):
+    """A branch on the values of its input: fine in eager, torch.export cannot capture it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.linear(x)
+        return -self.linear(x)
+
+
+class ConvNet(torch.nn.Module):
+    """Images of any size: ``(batch, 3, height, width) -> (batch, 5)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(images)).mean(dim=(2, 3)))
+
+
+class Scorer(torch.nn.Module):
+    """onnxruntime's results differ from eager by ~1e-7; ``encode`` is a second method to observe."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, hidden), torch.nn.GELU(), torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).softmax(-1)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class NeedsWidth(torch.nn.Module):
+    """A constructor argument without default: ``NeedsWidth()`` cannot rebuild it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A 2-layer Llama configuration with hidden size 64 and 100 tokens (no download)."""
+    import transformers
+
+    values = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100,
+    )
+    return transformers.LlamaConfig(**{**values, **overrides})
+
+
+def example_arguments(shapes: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of the engine's export example for a ShapeModel."""
+    from pytest_exportobs.core.trees import flattening_context
+    from pytest_exportobs.shapes.synthesis import example_leaves
+
+    with flattening_context():
+        return shapes.aligned.split_arguments(example_leaves(shapes))

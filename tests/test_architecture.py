@@ -1,0 +1,110 @@
+"""The package's layout: layers import only from below, no import cycle, small modules and functions.
+
+Imports are read with ``ast`` from every module, those inside functions included.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[1] / "pytest_exportobs"
+# Bottom to top; a module may import from its own layer and the layers before it.
+LAYERS = ("core", "observe", "shapes", "engine", "gate", "plugin", "api")
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str) -> set[str]:
+    """The package's modules imported by module ``name`` (anywhere in it)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # ``from . import x``: the submodule x, else a name defined in the module ``base``
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def layer(name: str) -> int:
+    """Index in LAYERS; the package's top module is a façade above all of them."""
+    parts = name.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 else len(LAYERS)
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def test_every_subpackage_is_a_declared_layer() -> None:
+    subpackages = {name.split(".")[1] for name in MODULES if name.count(".") >= 1}
+    assert subpackages == set(LAYERS)
+
+
+def test_layers_import_only_from_below() -> None:
+    upward = [
+        f"{name} -> {target}" for name, targets in GRAPH.items() for target in targets
+        if layer(target) > layer(name)
+    ]
+    assert upward == []
+
+
+def test_no_import_cycle() -> None:
+    cycles: list[list[str]] = []
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(GRAPH[name]):
+            if state.get(target) == "open":
+                cycles.append([*path[path.index(target):], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = "done"
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []
+
+
+def test_the_graph_is_read() -> None:
+    """The reader sees relative, absolute and function-level imports (a broken reader passes all)."""
+    assert "pytest_exportobs.core.trees" in GRAPH["pytest_exportobs.observe.recorder"]
+    assert "pytest_exportobs.engine.runner" in GRAPH["pytest_exportobs.plugin.roles"]  # inside a function
+    assert "pytest_exportobs.shapes.model" in GRAPH["pytest_exportobs.api.observer"]
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_and_function_sizes(name: str) -> None:
+    text = MODULES[name].read_text()
+    assert len(text.splitlines()) <= MAX_MODULE_LINES
+    long = [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert long == []
+
+
+def test_no_private_pytest_reports() -> None:
+    users = [name for name in MODULES if "_pytest.reports" in MODULES[name].read_text()]
+    assert users == []
