@@ -50,3 +50,17 @@ def spec_structure(spec: _pytree.TreeSpec, leaves: Any) -> Any:
     if spec.type is type(None):
         return None
     return list(children)
+
+
+def spec_paths(spec: _pytree.TreeSpec, prefix: str = "") -> list[str]:
+    """Dotted names of the leaves of ``spec`` (``logits``, ``past_key_values.key_0``): mapping
+    keys, a registered class's context names, else positions."""
+    if spec.is_leaf():
+        return [prefix]
+    children = spec_children(spec)
+    context = spec.context
+    if isinstance(context, (list, tuple)) and len(context) == len(children) and all(isinstance(c, str) for c in context):
+        keys = list(context)
+    else:
+        keys = [str(i) for i in range(len(children))]
+    return [path for key, child in zip(keys, children) for path in spec_paths(child, f"{prefix}.{key}" if prefix else key)]

@@ -30,7 +30,8 @@ class CacheEntry:
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    equalities: list[tuple[str, str]] = field(default_factory=list)
+    refinements: list[list[Any]] = field(default_factory=list)  # what torch proved (engine.domain)
+    outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
 
 
 @dataclass(frozen=True)
@@ -41,18 +42,22 @@ class ExportCache:
     directory: Path
     extra: tuple[str, ...] = ()
 
-    def key(self, module: torch.nn.Module, shapes: ShapeModel, args: tuple, kwargs: dict) -> str:
-        """Hash of what the ONNX file depends on: the source files of the model's classes, its
-        weights, shapes, package versions and patches."""
+    def key(self, module: torch.nn.Module, method: str, shapes: ShapeModel, args: tuple, kwargs: dict) -> str:
+        """Hash of what the ONNX file depends on: the classes of the model and its submodules
+        (qualified names and source files), the method exported, the input structure and its
+        dynamic dims, the weights, package versions and patches."""
         digest = hashlib.sha256()
+        classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules()})
+        digest.update(json.dumps([classes, method, shapes.aligned.leaf_names]).encode())
         for source in _source_files(module):
             digest.update(source.encode())
         for name, tensor in (*module.named_parameters(), *module.named_buffers()):
-            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(f"{name}:{tensor.dtype}:{tensor.layout}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor_bytes(tensor))
         digest.update(json.dumps(shapes.to_json(), sort_keys=True).encode())
-        leaves = _pytree.tree_leaves((args, kwargs))
-        digest.update(repr([(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in leaves]).encode())
+        flat, spec = _pytree.tree_flatten((args, kwargs))
+        digest.update(str(spec).encode())
+        digest.update(repr([(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in flat]).encode())
         digest.update(json.dumps([package_versions(), list(self.extra)]).encode())
         return digest.hexdigest()[:32]
 
@@ -66,8 +71,8 @@ class ExportCache:
             onnx_path.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(entry, onnx_path)
             return CacheEntry(
-                meta.get("opset"), meta.get("op_counts", {}), meta.get("notes", []),
-                [tuple(pair) for pair in meta.get("equalities", [])],
+                meta.get("opset"), meta.get("op_counts", {}), meta.get("notes", []), meta.get("refinements", []),
+                meta.get("outputs", []),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -78,10 +83,19 @@ class ExportCache:
         target = self.directory / f"{key}.onnx"
         _atomic_copy(onnx_path, target)
         meta = {"sha256": _file_digest(target), "opset": entry.opset, "op_counts": entry.op_counts,
-                "notes": entry.notes, "equalities": entry.equalities}
+                "notes": entry.notes, "refinements": entry.refinements, "outputs": entry.outputs}
         with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False, suffix=".tmp") as f:
             json.dump(meta, f)
         os.replace(f.name, self.directory / f"{key}.json")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The values of any tensor as bytes: 0-dim, non-contiguous, sparse, bfloat16 (which numpy
+    lacks) included."""
+    value = tensor.detach().cpu()
+    if value.layout != torch.strided:
+        value = value.to_dense()
+    return value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _source_files(module: torch.nn.Module) -> list[str]:

@@ -1,15 +1,20 @@
-"""Turn one model group into a verdict: infer shapes, export, verify, explore variations."""
+"""Turn one model group into a verdict: infer shapes, plan graphs, check each, summarize.
+
+The shape model is inferred from every recorded call at once (with the dims roles demand);
+calls are then planned onto graphs (:mod:`.graphs`), each exported and verified by a
+:class:`~.graph.GraphCheck`.  A plan whose calls an already exported graph reproduces needs no
+export of its own.  The model passes when every graph passes and no call is left unverified.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -20,15 +25,14 @@ from ..core.trees import detached_clone, flat_outputs, flattening_context
 from ..core.versions import package_versions
 from ..observe.recorder import Observation
 from ..observe.store import ModelGroup
+from ..shapes.inference import DimPolicy
 from ..shapes.model import ShapeModel
 from . import patches
-from .cache import ExportCache
-from .export import ExportOutcome, export_model
-from .repro import write_repro
-from .result import FAILED, PASSED, SKIPPED, ModelResult
+from .graph import GraphCheck, ModelContext
+from .graphs import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
+from .result import FAILED, PASSED, SKIPPED, GraphResult, ModelResult
 from .settings import CheckSettings
-from .variations import explore
-from .verify import Discrepancy, OnnxRunner, Tolerance, program_runner, verify_calls
+from .verify import Tolerance
 
 Progress = Callable[[str], None]
 T = TypeVar("T")
@@ -64,155 +68,72 @@ def check_model(group: ModelGroup, settings: CheckSettings, progress: Progress =
 
 
 class _ModelCheck:
-    """The stages of one check, filling ``result`` as they go."""
+    """The check of one model, filling ``result``."""
 
     def __init__(self, group: ModelGroup, settings: CheckSettings, result: ModelResult, progress: Progress):
         self.group, self.settings, self.result, self.progress = group, settings, result, progress
         self.options = group.options
-        self.model_dir = settings.export_dir / safe_name(group.name)
-        self.shapes: ShapeModel
 
     def run(self) -> None:
         with patches.entered((*self.settings.patches, *self.options.patches)), flattening_context(), \
                 _eval_no_grad(self.group.module):
-            self._infer()
-            observations = [self.group.recorder.observations[i] for i in self.shapes.aligned.kept]
-            references, self.result.reference = _references(self.group, observations)
-            outcome = self._export()
-            if not outcome.ok:
-                return
-            self.progress("verify")
-            runner = self._runner(outcome)
-            set_aside = self._verify(runner, observations, references)
-            if set_aside is None:
-                return
-            examples = _first(self.options.examples, self.settings.examples)
-            if examples:
-                self._variations(runner, examples, recorded_only=set_aside)
-                if self.result.kind:
-                    return
-            self.result.verdict = PASSED
-        self.result.output = ""
+            joint = self._infer()
+            context = self._context()
+            graphs, unverified = self._check_graphs(joint, context)
+        _summarize(self.result, [g.result for g in graphs], unverified, joint)
+        if self.result.verdict == PASSED:
+            self.result.output = ""
 
-    def _infer(self) -> None:
+    def _infer(self) -> ShapeModel:
         self.progress("infer")
         begin = time.perf_counter()
-        self.shapes = ShapeModel.from_aligned(
-            self.group.recorder.aligned(keep_majority=True), self.options.set_batch_dimension_for,
-            self.options.dim_names,
+        options = self.options
+        policy = DimPolicy(
+            roles=(options.dims or self.settings.dims) == "roles",
+            dynamic=frozenset(options.dynamic), static=frozenset(options.static),
+        )
+        joint = ShapeModel.from_aligned(
+            self.group.recorder.aligned(mixed_constants=True), options.set_batch_dimension_for,
+            options.dim_names, policy,
         )
         self.result.timings["infer"] = time.perf_counter() - begin
-        summary = self.shapes.to_json()
-        self.result.dims, self.result.relations = summary["dims"], summary["relations"]
-        self.result.bounds = summary["bounds"]
-        self.result.notes.extend([*self.shapes.aligned.notes, *summary["notes"]])
+        summary = joint.to_json()
+        self.result.dims, self.result.relations, self.result.bounds = summary["dims"], summary["relations"], summary["bounds"]
+        self.result.notes.extend(joint.notes)
+        return joint
 
-    def _export(self) -> ExportOutcome:
-        result, settings = self.result, self.settings
-        self.progress("export")
-        cache = ExportCache(settings.export_dir / "cache", (*settings.patches, *self.options.patches))
-        outcome = self._quiet(lambda: export_model(
-            self.group.module, self.shapes, settings.target, self.model_dir / "model.onnx",
-            cache if settings.use_cache else None, method=self.options.method,
-        ))
-        result.timings.update(outcome.timings)
-        result.notes.extend(outcome.notes)
-        for name, into in outcome.equalities:
-            self.shapes.merge(name, into)
-        result.dims = self.shapes.to_json()["dims"]
-        result.stage, result.cache_hit, result.onnx_path = outcome.stage, outcome.cache_hit, outcome.onnx_path
-        result.opset, result.op_counts = outcome.opset, outcome.op_counts
-        if not outcome.ok:
-            result.kind, result.reason, result.traceback = "error", outcome.reason, outcome.traceback
-            self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))
-        return outcome
-
-    def _runner(self, outcome: ExportOutcome) -> Callable[[list[Any]], list[Any]]:
-        result = self.result
-        tolerance = self._tolerance()
-        result.atol, result.rtol = tolerance.atol, tolerance.rtol
-        result.stage = "ort-load" if self.settings.target == "onnx" else "verify"
-        begin = time.perf_counter()
-        runner = (
-            self._quiet(lambda: OnnxRunner(Path(outcome.onnx_path))) if self.settings.target == "onnx"
-            else program_runner(outcome.program, self.shapes.aligned, constants=not outcome.bound)
+    def _context(self) -> ModelContext:
+        observations = list(self.group.recorder.observations)
+        references, self.result.reference = self._quiet(lambda: _references(self.group, observations))
+        tolerance = Tolerance(_first(self.options.atol, self.settings.atol), _first(self.options.rtol, self.settings.rtol))
+        self.result.atol, self.result.rtol = tolerance.atol, tolerance.rtol
+        return ModelContext(
+            module=self.group.module, method=self.options.method, settings=self.settings, tolerance=tolerance,
+            examples=_first(self.options.examples, self.settings.examples),
+            patches=(*self.settings.patches, *self.options.patches),
+            model_dir=self.settings.export_dir / safe_name(self.group.name), observations=observations,
+            references=references, quiet=self._quiet, progress=self.progress,
         )
-        result.timings[result.stage] = time.perf_counter() - begin
-        return runner
 
-    def _tolerance(self) -> Tolerance:
-        return Tolerance(_first(self.options.atol, self.settings.atol), _first(self.options.rtol, self.settings.rtol))
-
-    def _verify(
-        self, runner: Callable[[list[Any]], list[Any]], observations: list[Observation], references: list[list[Any]],
-    ) -> bool | None:
-        """Verify every kept call; ``None`` when the check failed, else whether calls were set aside."""
-        result, shapes = self.result, self.shapes
-        result.stage = "verify"
-        calls = [shapes.call_leaves(index) for index in range(shapes.aligned.n_calls)]
-        begin = time.perf_counter()
-        discrepancies = self._quiet(lambda: verify_calls(runner, calls, references, self._tolerance()))
-        result.timings["verify"] = time.perf_counter() - begin
-        result.discrepancies = [d.to_json() for d in discrepancies]
-        result.max_abs = _finite_max(d.max_abs for d in discrepancies)
-        result.max_rel = _finite_max(d.max_rel for d in discrepancies)
-        failing = [d for d in discrepancies if not d.ok]
-        bad = _without_unverifiable(shapes, failing, len(discrepancies), result)
-        if not bad:
-            return len(bad) < len(failing)
-        worst = max(bad, key=lambda d: d.max_abs)
-        source = observations[worst.index].source or "recorded call"
-        result.kind = worst.kind
-        result.reason = f"call {worst.index} from {source}: {worst.detail or worst.kind}" + (
-            f", max |Δ| {worst.max_abs:.3g}" if worst.kind == "mismatch" else "")
-        self._repro(shapes.call_leaves(worst.index))
-        return None
-
-    def _variations(self, runner: Callable[[list[Any]], list[Any]], examples: int, recorded_only: bool) -> None:
-        """Generated shapes: a failure is kind ``variation`` with the smallest failing sizes.
-        When calls with stood-in inputs were set aside, sizes only stand-ins had are not tried."""
-        result, shapes = self.result, self.shapes
-        self.progress("variations")
-        result.stage = "variations"
-        begin = time.perf_counter()
-        method = getattr(self.group.module, self.options.method)
-
-        def eager(leaves: list[Any]) -> list[Any]:
-            args, kwargs = shapes.aligned.split_arguments(leaves)
-            return flat_outputs(method(*args, **kwargs))
-
-        variation = self._quiet(lambda: explore(
-            eager=eager, run=runner, shapes=shapes, tolerance=self._tolerance(), examples=examples,
-            seed=self.settings.hypothesis_seed, database_dir=self.model_dir / "hypothesis",
-            recorded_only=recorded_only,
-        ))
-        result.timings["variations"] = time.perf_counter() - begin
-        result.variations = variation.to_json()
-        if variation.tried and not variation.valid:
-            result.notes.append(
-                f"variations: eager rejected all {variation.tried} generated examples: the model relates "
-                "sizes that the shape model keeps independent (e.g. mask = seq + a constant past)"
-            )
-        if variation.failed:
-            result.kind = "variation"
-            sizes = ", ".join(f"{k}={v}" for k, v in variation.failing_sizes.items())
-            result.reason = f"fails at {sizes}: {variation.detail}"
-            self._repro(variation.failing_leaves)
-
-    def _repro(self, leaves: list[Any]) -> None:
-        """Write the self-contained repro of a failure; a failure to write it is only a note."""
-        result = self.result
-        try:
-            repro = write_repro(
-                self.model_dir / "repro", self.group.module, self.shapes, leaves, stage=result.stage,
-                target=self.settings.target, method=self.options.method, atol=result.atol, rtol=result.rtol,
-            )
-        except Exception as e:  # a repro is a convenience: never let it hide the verdict
-            result.notes.append(f"no repro written: {type(e).__name__}: {e}")
-            return
-        result.repro_path = repro.path
-        if repro.note:
-            result.notes.append(repro.note)
+    def _check_graphs(self, joint: ShapeModel, context: ModelContext) -> tuple[list[GraphCheck], list[int]]:
+        """Export and verify graph after graph; plans an exported graph serves need none."""
+        queue, done, unverified = deque(plan_graphs(joint.aligned)), [], []
+        while queue:
+            plan = queue.popleft()
+            if any(_serves(check, joint, plan) for check in done):
+                continue
+            if len(done) >= MAX_GRAPHS:
+                unverified.extend(plan.calls)
+                continue
+            directory = context.model_dir / (f"graph{len(done)}" if done else "")
+            check = GraphCheck(context, plan, joint.project(plan.calls, plan.slots), directory)
+            check.run()
+            done.append(check)
+            for split in split_off(joint.aligned, plan, check.split):
+                missing = ", ".join(sorted(plan.slots - split.slots))
+                split.name = ", ".join(filter(None, [plan.name, f"without {missing}"]))
+                queue.append(split)
+        return done, unverified
 
     def _quiet(self, call: Callable[[], T]) -> T:
         """Run ``call`` with its output (torch's graph dumps, C++ and logging warnings) and its Python
@@ -228,22 +149,42 @@ class _ModelCheck:
             self.result.output += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
 
 
-def _without_unverifiable(
-    shapes: ShapeModel, bad: list[Discrepancy], n_calls: int, result: ModelResult
-) -> list[Discrepancy]:
-    """Failures left once calls that lacked an input are set aside when the exported graph
-    cannot run them at all: an empty stand-in is not always what the absence meant (a T5 graph
-    traced with its cross-attention cache cannot run without one).  Noted, never silent; when
-    no call is left to verify, the failures stand."""
-    unverifiable = [d for d in bad if d.kind == "error" and shapes.aligned.absent_slots(d.index)]
-    if not unverifiable or len(unverifiable) == n_calls:
-        return bad
-    absent = sorted({name for d in unverifiable for name in shapes.aligned.absent_slots(d.index)})
-    result.notes.append(
-        f"calls {[d.index for d in unverifiable]} not verified: they lack {', '.join(absent)} and the "
-        f"exported graph cannot run them on empty stand-ins ({unverifiable[0].detail})"
-    )
-    return [d for d in bad if d not in unverifiable]
+def _serves(check: GraphCheck, joint: ShapeModel, plan: GraphPlan) -> bool:
+    """Whether an exported graph runs every call of ``plan`` and reproduces it (projected with
+    the graph's own calls, which hold a value of every argument the graph takes)."""
+    if not all(can_serve(joint.aligned, check.plan.slots, i) for i in plan.calls):
+        return False
+    return check.serves(joint.project([*check.plan.calls, *plan.calls], check.plan.slots, strict=False), plan.calls)
+
+
+def _summarize(result: ModelResult, graphs: list[GraphResult], unverified: list[int], joint: ShapeModel) -> None:
+    """The model's result from its graphs: the first graph's dims and files, the first failure."""
+    result.graphs = graphs
+    first, several = graphs[0], len(graphs) > 1
+    result.dims, result.relations, result.bounds = first.dims, first.relations, first.bounds
+    result.onnx_path, result.cache_hit, result.opset, result.op_counts = first.onnx_path, first.cache_hit, first.opset, first.op_counts
+    result.dim_sources = {name: source for g in graphs for name, source in g.dim_sources.items()}
+    result.max_abs = max((g.max_abs for g in graphs if g.max_abs is not None), default=None)
+    result.max_rel = max((g.max_rel for g in graphs if g.max_rel is not None), default=None)
+    result.discrepancies = [d for g in graphs for d in g.discrepancies]
+    explored = [g.variations for g in graphs if g.variations]
+    if explored:
+        result.variations = {k: sum(v[k] for v in explored) for k in ("tried", "valid", "invalid", "failed")}
+    timings: Counter[str] = Counter()
+    for g in graphs:
+        timings.update(g.timings)
+        result.notes.extend(f"[{g.name}] {note}" if several and g.name else note for note in g.notes)
+    result.timings.update(timings)
+    failing = next((g for g in graphs if not g.passed), None)
+    if failing is not None:
+        result.stage, result.kind, result.traceback, result.repro_path = failing.stage, failing.kind, failing.traceback, failing.repro_path
+        result.reason = f"[{failing.name}] {failing.reason}" if several and failing.name else failing.reason
+    elif unverified:
+        result.stage, result.kind = "verify", "unverified"
+        shown = ", ".join(sorted(joint.aligned.present_slots(unverified[0])))
+        result.reason = f"calls {unverified} run on no exported graph (they pass {shown}; at most {len(graphs)} graphs)"
+    else:
+        result.verdict, result.stage = PASSED, graphs[-1].stage
 
 
 def _references(group: ModelGroup, observations: list[Observation]) -> tuple[list[list[Any]], str]:
@@ -260,11 +201,6 @@ def _references(group: ModelGroup, observations: list[Observation]) -> tuple[lis
     if not recomputed:
         return references, "recorded"
     return references, f"recomputed on the exported instance for {recomputed} of {len(references)} calls"
-
-
-def _finite_max(values: Iterable[float]) -> float | None:
-    finite = [v for v in values if math.isfinite(v)]
-    return max(finite) if finite else None
 
 
 def _xfail_reason(xfail: bool | str | None) -> str:

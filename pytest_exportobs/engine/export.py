@@ -2,15 +2,15 @@
 
 ``torch.export`` → decompositions → ONNX translation → ``onnx.checker`` (ORT loading is the
 verifier's first step).  Every failure becomes an :class:`ExportOutcome` naming the stage, the
-exception type and a one-line reason; nothing raises.  An :class:`~.cache.ExportCache` skips
-capture and translation when nothing that matters changed.
+kind and a one-line reason; nothing raises.  The shape model is refined with what torch proved,
+and the dims reported are read back from the file written.  An :class:`~.cache.ExportCache`
+skips capture and translation when nothing that matters changed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import time
 import traceback
 from collections import Counter
@@ -21,20 +21,27 @@ from typing import Any
 
 import torch
 
-from ..core.text import first_line
-from ..core.trees import detached_clone
+from ..core.trees import detached_clone, spec_paths
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import example_leaves
+from .bound import bind_constants
 from .cache import CacheEntry, ExportCache
+from .domain import Shape, apply_refinements, onnx_shapes, program_shapes, read_dims, refinements
 from .reasons import one_line_reason
+from .tracing import Accepts, Example, Specialized, trace
 
 
 @dataclass
 class ExportOutcome:
-    """Result of the export stages; ``stage`` is the failing stage, or the last one done."""
+    """Result of the export stages; ``stage`` is the failing stage, or the last one done.
+
+    ``kind`` of a failure: ``error`` (an exception) or ``specialized`` (a dynamic dim became a
+    constant).  ``dims`` are read back from the file written (the program with target torch).
+    """
 
     ok: bool
     stage: str
+    kind: str = ""
     error_type: str = ""
     reason: str = ""
     traceback: str = ""
@@ -46,7 +53,10 @@ class ExportOutcome:
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
     bound: bool = False  # the exported module is a BoundConstants: its inputs are tensors only
-    equalities: list[tuple[str, str]] = field(default_factory=list)  # dims torch found equal
+    example: Example | None = None
+    dims: dict[str, dict[str, str]] = field(default_factory=dict)
+    refinements: list[list[Any]] = field(default_factory=list)  # what torch proved (engine.domain)
+    outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
 
 
 class StageFailed(Exception):
@@ -67,8 +77,9 @@ class Stages:
             yield
         except Exception as e:
             self.outcome.ok = False
+            self.outcome.kind = "specialized" if isinstance(e, Specialized) else "error"
             self.outcome.error_type = type(e).__name__
-            self.outcome.reason = one_line_reason(name, e)
+            self.outcome.reason = str(e) if isinstance(e, Specialized) else one_line_reason(name, e)
             self.outcome.traceback = "".join(traceback.format_exception(e))
             raise StageFailed(name) from e
         finally:
@@ -77,99 +88,45 @@ class Stages:
 
 def export_model(
     module: torch.nn.Module, shapes: ShapeModel, target: str, onnx_path: Path,
-    cache: ExportCache | None = None, method: str = "forward",
+    cache: ExportCache | None = None, method: str = "forward", accepts: Accepts = lambda name, size: False,
 ) -> ExportOutcome:
     """Export ``module.<method>`` called on ``shapes``' example inputs with its dynamic dimensions;
-    ``target`` ``onnx`` translates and writes ``onnx_path``, ``torch`` stops after torch.export."""
+    ``target`` ``onnx`` translates and writes ``onnx_path``, ``torch`` stops after torch.export.
+    The shape model is refined with what torch proved (equal dims, multiples of 2...);
+    ``accepts(name, size)`` tells whether eager runs a size torch's bounds exclude."""
     outcome = ExportOutcome(ok=True, stage="torch.export")
     stages = Stages(outcome)
     exported = bind_constants(module, method, shapes.aligned)
     outcome.bound = exported is not module
-    leaves, small = _example(getattr(module, method), shapes, outcome)
-    args, kwargs = shapes.aligned.split_arguments(leaves, constants=not outcome.bound)
+    outcome.example = _example(getattr(module, method), shapes, outcome)
     key = None
     if target == "onnx" and cache is not None:
-        key = cache.key(module, shapes, args, kwargs)
-        if _load_cached(cache, key, onnx_path, outcome):
+        key = cache.key(module, method, shapes, outcome.example.args, outcome.example.kwargs)
+        if _load_cached(cache, key, onnx_path, shapes, outcome):
             return outcome
     try:
         with stages.run("torch.export"):
-            program = _torch_export(exported, shapes, args, kwargs, small, outcome)
-        outcome.program = program
+            program = trace(exported, shapes, outcome.example, not outcome.bound, outcome.notes, accepts)
+        outcome.program, outcome.outputs = program, spec_paths(program.call_spec.out_spec)
+        names = _refine(shapes, program_shapes(program), outcome)
         if target == "torch":
+            outcome.dims = read_dims(shapes, outcome.example.inputs, program_shapes(program), names)
             return outcome
-        with stages.run("decompose"):
-            program = _decompose(program)
-        with stages.run("onnx-translate"):
-            onnx_program = _translate(program)
-            _rename_axes(onnx_program, shapes)
-            onnx_path.parent.mkdir(parents=True, exist_ok=True)
-            onnx_program.save(str(onnx_path))
-        with stages.run("onnx-checker"):
-            _check_onnx(onnx_path, outcome)
-        outcome.onnx_path = str(onnx_path)
+        _to_onnx(stages, program, names, onnx_path, outcome)
+        outcome.dims = _onnx_dims(shapes, onnx_path, outcome)
         if key is not None:
-            cache.store(key, onnx_path, CacheEntry(outcome.opset, outcome.op_counts, outcome.notes, outcome.equalities))
+            entry = CacheEntry(outcome.opset, outcome.op_counts, outcome.notes, outcome.refinements, outcome.outputs)
+            cache.store(key, onnx_path, entry)
     except StageFailed:
         pass
     return outcome
 
 
-def _load_cached(cache: ExportCache, key: str, onnx_path: Path, outcome: ExportOutcome) -> bool:
-    entry = cache.load(key, onnx_path)
-    if entry is None:
-        return False
-    outcome.stage, outcome.cache_hit, outcome.onnx_path = "onnx-checker", True, str(onnx_path)
-    outcome.opset, outcome.op_counts, outcome.equalities = entry.opset, entry.op_counts, entry.equalities
-    outcome.notes = [*entry.notes, "export cache hit: torch.export and translation skipped"]
-    return True
-
-
-class BoundConstants(torch.nn.Module):
-    """``module.<method>`` with the calls' constant arguments bound: torch.export then sees tensor
-    inputs only, under a plain signature (it cannot take a constant collected by ``**kwargs``,
-    as transformers' ``return_dict``)."""
-
-    def __init__(self, module: torch.nn.Module, method: str, constants: dict[str, Any]):
-        super().__init__()
-        self.module = module
-        self.method = method
-        self.constants = constants
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.module, self.method)(*args, **kwargs, **self.constants)
-
-
-def bind_constants(module: torch.nn.Module, method: str, aligned: Any) -> torch.nn.Module:
-    """``module`` itself when its ``forward`` takes the recorded tensors as they are, else a
-    :class:`BoundConstants` whose ``forward`` signature names the tensor arguments."""
-    if method == "forward" and not aligned.constants() and not any(s.var_keyword for s in aligned.slots):
-        return module
-    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    for slot in aligned.slots:
-        if slot.is_constant:
-            continue
-        if slot.var_positional:
-            parameters.append(inspect.Parameter(slot.name, inspect.Parameter.VAR_POSITIONAL))
-            kind = inspect.Parameter.KEYWORD_ONLY
-        else:
-            parameters.append(inspect.Parameter(slot.name, kind))
-
-    def forward(self: BoundConstants, *args: Any, **kwargs: Any) -> Any:
-        return BoundConstants.forward(self, *args, **kwargs)
-
-    forward.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
-    bound_class = type(f"Bound{type(module).__name__}", (BoundConstants,), {"forward": forward})
-    return bound_class(module, method, aligned.constants())
-
-
-def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> tuple[list[Any], list[str]]:
-    """Example leaves and the dims that are still 0 or 1 in them.
-
-    A recorded call with every dynamic size >= 2, else synthesized inputs (checked by running
-    the module eagerly), else the richest recorded call, exported size-oblivious.
-    """
+def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> Example:
+    """The example to trace: a recorded call with every dynamic size >= 2, else synthesized
+    inputs (checked by running the module eagerly), else the richest recorded call (traced
+    size-oblivious, a dynamic size of 0 or 1 stays dynamic)."""
+    constants = not outcome.bound
     index = shapes.safe_call()
     if index is None:
         leaves = example_leaves(shapes)
@@ -181,53 +138,60 @@ def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> tuple[lis
             outcome.notes.append(f"synthesized example rejected by eager ({type(e).__name__}); using a recorded call")
         else:
             outcome.notes.append("no recorded call has every dynamic size >= 2: exported on synthesized inputs")
-            return leaves, []
+            return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
         index = shapes.aligned.complete_call()
-    small = shapes.small_variables(index)
-    if small:
-        outcome.notes.append(f"dims {', '.join(small)} are 0 or 1 in the example: exported size-oblivious")
-    return shapes.call_leaves(index), small
+    leaves = shapes.call_leaves(index)
+    return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
 
 
-def _torch_export(
-    module: torch.nn.Module, shapes: ShapeModel, args: tuple, kwargs: dict, small: list[str], outcome: ExportOutcome
-) -> torch.export.ExportedProgram:
-    """``torch.export.export`` with named dims; falls back to independent ``Dim.DYNAMIC`` when
-    torch rejects a relation, and captures size-oblivious when a dynamic size is 0 or 1."""
-    config = (
-        torch.fx.experimental._config.patch(backed_size_oblivious=True) if small else contextlib.nullcontext()
-    )
-    constants = not isinstance(module, BoundConstants)
-    named = shapes.to_dynamic_shapes(named=True, constants=constants)
-    with config:
-        try:
-            return torch.export.export(module, args, kwargs, dynamic_shapes=named)
-        except torch._dynamo.exc.UserError as e:
-            if "Constraints violated" not in str(e):
-                raise
-            rejection = e
-        try:  # torch's suggested fixes: derived dims (total = past + seq), ranges (seq <= 128)
-            refined = torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(rejection.msg, named)
-            program = torch.export.export(module, args, kwargs, dynamic_shapes=refined)
-        except Exception:
-            outcome.notes.append(
-                f"torch.export rejected the named dims ({first_line(str(rejection))}): "
-                "exported with independent Dim.DYNAMIC dims"
-            )
-            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes.to_dynamic_shapes(constants=constants))
-        fixes = _suggested_fixes(rejection.msg)
-        outcome.notes.append(f"named dims refined with torch's suggested fixes: {'; '.join(fixes) or 'none listed'}")
-        outcome.equalities = [
-            (left.strip(), right.strip()) for left, _, right in (fix.partition("=") for fix in fixes)
-            if right.strip().isidentifier()
-        ]
-        return program
+def _refine(shapes: ShapeModel, read: list[Shape], outcome: ExportOutcome) -> dict[str, str]:
+    """Refine the shape model from the program's input shapes; the names of its symbols."""
+    inputs = outcome.example.inputs
+    names, outcome.refinements = refinements(shapes, inputs, read)
+    outcome.notes.extend(apply_refinements(shapes, outcome.refinements))
+    for var in shapes.variables:  # every other symbol of an input axis is named after its variable
+        for leaf, dim in var.axes:
+            if leaf in inputs:
+                names.setdefault(str(read[inputs.index(leaf)][dim]), var.name)
+    return names
 
 
-def _suggested_fixes(message: str) -> list[str]:
-    """The ``name = expression`` lines torch suggests after 'Suggested fixes:'."""
-    fixes = message.partition("Suggested fixes:")[2]
-    return [line.strip() for line in fixes.splitlines() if "=" in line]
+def _to_onnx(stages: Stages, program: Any, names: dict[str, str], path: Path, outcome: ExportOutcome) -> None:
+    with stages.run("decompose"):
+        program = _decompose(program)
+    with stages.run("onnx-translate"):
+        onnx_program = _translate(program)
+        if names:
+            onnx_program.rename_axes(names)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        onnx_program.save(str(path))
+    with stages.run("onnx-checker"):
+        _check_onnx(path, outcome)
+    outcome.onnx_path = str(path)
+
+
+def _onnx_dims(shapes: ShapeModel, path: Path, outcome: ExportOutcome) -> dict[str, dict[str, str]]:
+    """Dims of the ONNX file's inputs (the intended ones, with a note, if they cannot be matched)."""
+    read = onnx_shapes(path)
+    if len(read) != len(outcome.example.inputs):
+        outcome.notes.append(
+            f"the ONNX model has {len(read)} inputs for {len(outcome.example.inputs)} tensors: dims not read back"
+        )
+        return shapes.to_json()["dims"]
+    return read_dims(shapes, outcome.example.inputs, read, {})
+
+
+def _load_cached(cache: ExportCache, key: str, path: Path, shapes: ShapeModel, outcome: ExportOutcome) -> bool:
+    entry = cache.load(key, path)
+    if entry is None:
+        return False
+    outcome.stage, outcome.cache_hit, outcome.onnx_path = "onnx-checker", True, str(path)
+    outcome.opset, outcome.op_counts, outcome.refinements = entry.opset, entry.op_counts, entry.refinements
+    outcome.outputs = entry.outputs
+    apply_refinements(shapes, entry.refinements)
+    outcome.notes = [*entry.notes, "export cache hit: torch.export and translation skipped"]
+    outcome.dims = _onnx_dims(shapes, path, outcome)
+    return True
 
 
 # The two steps ``torch.onnx.export(exported_program)`` runs, called apart so that each is timed
@@ -251,23 +215,6 @@ def _translate(program: torch.export.ExportedProgram) -> Any:
     onnx_program = _core._exported_program_to_onnx_program(program, registry=_registry())
     onnx_program.optimize()
     return onnx_program
-
-
-def _rename_axes(onnx_program: Any, shapes: ShapeModel) -> None:
-    """Name the symbolic dims of the ONNX inputs (and through them the outputs) after the variables."""
-    inputs = onnx_program.model.graph.inputs
-    tensor_axes = [
-        axes for axes, value in zip(shapes.leaf_axes(), shapes.aligned.calls[shapes.aligned.complete_call()])
-        if value is None or isinstance(value, torch.Tensor)
-    ]
-    mapping: dict[str, str] = {}
-    for value, axes in zip(inputs, tensor_axes):
-        for dim, name in axes.items():
-            symbol = value.shape[dim] if value.shape is not None else None
-            if symbol is not None and not isinstance(symbol, int) and str(symbol) not in mapping:
-                mapping.setdefault(str(symbol), name)
-    if mapping:
-        onnx_program.rename_axes(mapping)
 
 
 def _check_onnx(path: Path, outcome: ExportOutcome) -> None:

@@ -24,13 +24,55 @@ STAGES_WITH_DIMS = STAGES[STAGES.index("torch.export") : STAGES.index("isolate")
 
 
 @dataclass
+class GraphResult:
+    """One exported graph of a model and the recorded calls verified on it.
+
+    ``calls`` are indices among the model's recorded calls, ``inputs`` the graph's inputs (leaf
+    names, in order), ``constants`` the arguments it binds (``logits_to_keep=1`` from generate());
+    ``dims`` are read back from the file written; ``dim_sources`` says why each dim is dynamic
+    (``observed``, ``role``, ``guess``, ``declared``, ``forced``).
+    """
+
+    name: str
+    verdict: str = FAILED
+    stage: str = "torch.export"
+    kind: str = ""
+    reason: str = ""
+    calls: list[int] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+    constants: dict[str, Any] = field(default_factory=dict)  # arguments bound in the graph
+    dims: dict[str, dict[str, str]] = field(default_factory=dict)
+    relations: list[str] = field(default_factory=list)
+    dim_sources: dict[str, str] = field(default_factory=dict)
+    bounds: dict[str, list[int]] = field(default_factory=dict)
+    onnx_path: str = ""
+    cache_hit: bool = False
+    opset: int | None = None
+    op_counts: dict[str, int] = field(default_factory=dict)
+    max_abs: float | None = None
+    max_rel: float | None = None
+    discrepancies: list[dict[str, Any]] = field(default_factory=list)
+    variations: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    traceback: str = ""
+    repro_path: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == PASSED
+
+
+@dataclass
 class ModelResult:
     """Everything known about one model's export check; every field is JSON-native.
 
     ``verdict`` is ``passed``/``failed``/``skipped``/``incomplete``; on failure ``stage`` is the
-    stage that failed, ``kind`` is ``error`` (an exception), ``mismatch`` (numbers beyond
+    stage that failed, ``kind`` is ``error`` (an exception), ``specialized`` (a dynamic dim became
+    a constant), ``unverified`` (calls no exported graph can run), ``mismatch`` (numbers beyond
     tolerance), ``outputs`` (output count or shape differs), ``variation`` (a generated shape
-    fails) or ``incomplete`` (the process checking it died).
+    fails) or ``incomplete`` (the process checking it died).  A model passes when every graph in
+    ``graphs`` passes; the other fields summarize them (dims and files of the first graph).
     """
 
     name: str
@@ -63,6 +105,8 @@ class ModelResult:
     variations: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     expected_failure: str = ""  # the marker's xfail reason
+    dim_sources: dict[str, str] = field(default_factory=dict)
+    graphs: list[GraphResult] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -80,5 +124,11 @@ class ModelResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelResult:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        values = _known_fields(cls, data)
+        values["graphs"] = [GraphResult(**_known_fields(GraphResult, g)) for g in data.get("graphs", [])]
+        return cls(**values)
+
+
+def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    known = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in known}

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TARGETS = ("onnx", "torch")
+DIM_MODES = ("roles", "observed")
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,8 @@ class CheckSettings:
     """Session-wide settings of the check (per-model marker options override tolerances/examples).
 
     ``target`` ``onnx`` exports to ONNX and runs onnxruntime, ``torch`` stops after torch.export;
+    ``dims`` ``roles`` makes dynamic the dims whose role demands it (batch, sequence, cache and
+    encoder lengths) besides the ones the tests vary, ``observed`` only the latter;
     ``patches`` are dotted paths to context-manager factories entered around export and
     verification; ``use_cache`` reads and writes the export cache under ``export_dir``.
     """
@@ -26,3 +29,4 @@ class CheckSettings:
     patches: tuple[str, ...] = ()
     hypothesis_seed: int | None = None
     use_cache: bool = True
+    dims: str = "roles"

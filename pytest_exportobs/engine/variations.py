@@ -32,7 +32,7 @@ import torch
 from ..core.trees import detached_clone
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import Recipe, build_leaves, complete_sizes, free_variables, leaf_shapes, recipes
-from .verify import Discrepancy, Tolerance, run_and_compare
+from .verify import Discrepancy, OutputLayout, Tolerance, run_and_compare
 
 if TYPE_CHECKING:
     import hypothesis
@@ -100,6 +100,7 @@ def explore(
     seed: int | None,
     database_dir: Path,
     recorded_only: bool = False,
+    outputs: OutputLayout | None = None,
 ) -> VariationOutcome:
     """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them;
     never raises for a model problem (an exception of ``run`` fails its example).
@@ -108,7 +109,7 @@ def explore(
     from hypothesis.errors import NoSuchExample, Unsatisfiable
 
     ranges = size_ranges(shapes, recorded_only=recorded_only)
-    trials = _Trials(eager, run, shapes, tolerance, recipes(shapes))
+    trials = _Trials(eager, run, shapes, tolerance, recipes(shapes), outputs)
     if not ranges or examples <= 0:
         return trials.outcome(None)
     strategy = strategies.fixed_dictionaries(
@@ -150,6 +151,7 @@ class _Trials:
     shapes: ShapeModel
     tolerance: Tolerance
     leaf_recipes: list[Recipe]
+    outputs: OutputLayout | None = None
     examples: list[Sizes] = field(default_factory=list)
     verdicts: list[Discrepancy | None] = field(default_factory=list)  # None: invalid
 
@@ -181,7 +183,7 @@ class _Trials:
             expected = self.eager(detached_clone(leaves))
         except Exception:  # eager rejects these sizes: not the export's fault
             return None
-        return run_and_compare(self.run, leaves, expected, self.tolerance)
+        return run_and_compare(self.run, leaves, expected, self.tolerance, outputs=self.outputs)
 
     def outcome(self, minimal: Sizes | None) -> VariationOutcome:
         invalid = sum(v is None for v in self.verdicts)
@@ -227,7 +229,7 @@ def _settings(examples: int, seed: int | None, database_dir: Path) -> hypothesis
 def _database_key(shapes: ShapeModel) -> bytes:
     """A key stable for one model's inputs: leaf names, dtypes, static sizes, variable names
     and relations (not the observed bounds, so that a saved failure survives new observations)."""
-    template = shapes.aligned.calls[shapes.aligned.complete_call()]
+    template = shapes.call_leaves(shapes.aligned.complete_call())
     leaves = [
         [name, str(value.dtype), [axes.get(d, s) for d, s in enumerate(value.shape)]]
         if isinstance(value, torch.Tensor) else [name, type(value).__name__]

@@ -44,6 +44,9 @@ class Discrepancy:
 
     ``kind`` is empty when within tolerance, ``mismatch`` for values beyond tolerance,
     ``outputs`` when the output count, shape or dtype differs, ``error`` when the run raised.
+    ``worst`` names the output holding the largest difference beyond tolerance.  Differences in
+    cache entries at positions the attention mask zeroes (attention never reads them) are counted
+    in ``n_padded`` and ``padded_max_abs``, not as a mismatch.
     """
 
     index: int
@@ -55,6 +58,10 @@ class Discrepancy:
     n_values: int = 0
     histogram: list[int] = field(default_factory=lambda: [0] * (len(HISTOGRAM_EDGES) + 1))
     detail: str = ""
+    worst: str = ""
+    n_padded: int = 0
+    padded_max_abs: float = 0.0
+    _worst_delta: float = field(default=0.0, repr=False)
 
     def as_row(self) -> dict[str, Any]:
         """The seed's row: ``index``, ``SUCCESS``, ``abs``, ``rel``, ``n``."""
@@ -63,25 +70,41 @@ class Discrepancy:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-native: infinite differences (no comparable output) become ``None``."""
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        values = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
 
 
 def compare(
-    actual: Sequence[Any], expected: Sequence[torch.Tensor | None], tolerance: Tolerance, index: int = 0
+    actual: Sequence[Any], expected: Sequence[torch.Tensor | None], tolerance: Tolerance, index: int = 0,
+    names: Sequence[str] = (), padding: torch.Tensor | None = None,
 ) -> Discrepancy:
-    """Compare flattened outputs; ``expected`` may hold ``None`` for non-tensor outputs."""
+    """Compare flattened outputs; ``expected`` may hold ``None`` for non-tensor outputs.
+    ``names`` names the outputs; ``padding`` is the call's attention mask (0: padded)."""
     expected = [t for t in expected if isinstance(t, torch.Tensor)]
     actual = [torch.as_tensor(a) if not isinstance(a, torch.Tensor) else a for a in actual]
     result = Discrepancy(index=index, ok=True)
     if len(actual) != len(expected):
         return _outputs_differ(result, f"{len(actual)} outputs, expected {len(expected)}")
     for position, (got, ref) in enumerate(zip(actual, expected)):
+        name = names[position] if position < len(names) else f"output {position}"
         if tuple(got.shape) != tuple(ref.shape):
-            return _outputs_differ(result, f"output {position} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
-        _accumulate(result, got, ref, tolerance)
+            return _outputs_differ(result, f"{name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+        _accumulate(result, got, ref, tolerance, name, _padded_cache_positions(ref, padding))
     result.ok = result.n_beyond == 0
     result.kind = "" if result.ok else "mismatch"
+    if result.n_beyond:
+        result.detail = f"{result.n_beyond} of {result.n_values} values beyond tolerance, worst in {result.worst}"
     return result
+
+
+def _padded_cache_positions(ref: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor | None:
+    """Where a cache-like output ``(batch, heads, length, head_dim)`` holds padded positions of
+    ``padding`` ``(batch, length)`` (``None`` when the output is no such cache)."""
+    if padding is None or padding.dim() != 2 or ref.dim() != 4 or ref.shape[0] != padding.shape[0]:
+        return None
+    if ref.shape[2] != padding.shape[1]:
+        return None
+    return (padding == 0)[:, None, :, None].expand(ref.shape)
 
 
 def _outputs_differ(result: Discrepancy, detail: str) -> Discrepancy:
@@ -90,7 +113,10 @@ def _outputs_differ(result: Discrepancy, detail: str) -> Discrepancy:
     return result
 
 
-def _accumulate(result: Discrepancy, got: torch.Tensor, ref: torch.Tensor, tolerance: Tolerance) -> None:
+def _accumulate(
+    result: Discrepancy, got: torch.Tensor, ref: torch.Tensor, tolerance: Tolerance, name: str,
+    padded: torch.Tensor | None,
+) -> None:
     if ref.numel() == 0:
         return
     atol, rtol = tolerance.for_dtype(ref.dtype)
@@ -98,16 +124,32 @@ def _accumulate(result: Discrepancy, got: torch.Tensor, ref: torch.Tensor, toler
     delta = (got.detach().to(torch.float64) - ref64).abs()
     delta = torch.where(torch.isnan(delta) & ~torch.isnan(ref64), torch.full_like(delta, math.inf), delta)
     delta = torch.nan_to_num(delta, nan=0.0)  # NaN in both: equal
-    relative = delta / (ref64.abs() + EPS)
+    beyond = delta > atol + rtol * ref64.abs()
+    if padded is not None and bool((beyond & padded).any()):
+        result.n_padded += int((beyond & padded).sum())
+        result.padded_max_abs = max(result.padded_max_abs, float(delta[beyond & padded].max()))
+        beyond, delta = beyond & ~padded, torch.where(padded, torch.zeros_like(delta), delta)
     result.n_values += delta.numel()
-    result.n_beyond += int((delta > atol + rtol * ref64.abs()).sum())
+    result.n_beyond += int(beyond.sum())
     result.max_abs = max(result.max_abs, float(delta.max()))
-    result.max_rel = max(result.max_rel, float(relative.max()))
+    result.max_rel = max(result.max_rel, float((delta / (ref64.abs() + EPS)).max()))
+    if bool(beyond.any()) and float(delta[beyond].max()) > result._worst_delta:
+        result.worst, result._worst_delta = f"{name} (atol={atol:g}, rtol={rtol:g})", float(delta[beyond].max())
     buckets = torch.bucketize(delta, torch.tensor(HISTOGRAM_EDGES, dtype=torch.float64))
     for bucket, count in enumerate(torch.bincount(buckets.flatten(), minlength=len(HISTOGRAM_EDGES) + 1)):
         result.histogram[bucket] += int(count)
-    if result.n_beyond and not result.detail:
-        result.detail = f"{result.n_beyond} of {result.n_values} values beyond atol={atol:g} rtol={rtol:g}"
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """What the comparison knows of a graph: its outputs' names and the input leaf holding the
+    attention mask (``None``: no mask), whose zeros mark cache positions never read."""
+
+    names: tuple[str, ...] = ()
+    mask_leaf: int | None = None
+
+    def padding(self, leaves: Sequence[Any]) -> torch.Tensor | None:
+        return leaves[self.mask_leaf] if self.mask_leaf is not None else None
 
 
 class OnnxRunner:
@@ -157,10 +199,11 @@ def verify_calls(
     calls: Sequence[Sequence[Any]],
     references: Sequence[Sequence[torch.Tensor | None]],
     tolerance: Tolerance,
+    outputs: OutputLayout | None = None,
 ) -> list[Discrepancy]:
     """Run every call (its flat leaves) and compare with its reference."""
     return [
-        run_and_compare(run, leaves, reference, tolerance, index)
+        run_and_compare(run, leaves, reference, tolerance, index, outputs)
         for index, (leaves, reference) in enumerate(zip(calls, references, strict=True))
     ]
 
@@ -171,6 +214,7 @@ def run_and_compare(
     reference: Sequence[torch.Tensor | None],
     tolerance: Tolerance,
     index: int = 0,
+    outputs: OutputLayout | None = None,
 ) -> Discrepancy:
     """Run the exported model on ``leaves`` and compare; a run that raises is an ``error``
     verdict on this call, not a crash."""
@@ -178,4 +222,5 @@ def run_and_compare(
         actual = run(leaves)
     except Exception as e:
         return Discrepancy(index, False, "error", math.inf, math.inf, detail=error_line(e))
-    return compare(actual, reference, tolerance, index)
+    layout = outputs or OutputLayout()
+    return compare(actual, reference, tolerance, index, layout.names, layout.padding(leaves))

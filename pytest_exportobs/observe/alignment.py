@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +19,9 @@ import torch
 from torch.utils import _pytree
 
 from ..core.strings import string_type
+from .binding import CONSTANT_TYPES, bind_all, is_absent, missing_by_name, per_call_constants, uniform_constant
 from ..core.trees import spec_structure
 
-CONSTANT_TYPES = (int, float, bool, str)
 SEQUENCE_AXIS_BY_RANK = {1: 0, 2: 1, 3: 1, 4: 2}
 
 
@@ -60,6 +59,8 @@ class AlignedCalls:
     missing_dims: dict[int, int] = field(default_factory=dict)
     kept: list[int] = field(default_factory=list)  # index of each aligned call among the recorded ones
     notes: list[str] = field(default_factory=list)
+    # with mixed constants: per call, the constant arguments that differ from their default
+    call_constants: list[dict[str, Any]] | None = None
 
     @property
     def n_calls(self) -> int:
@@ -72,6 +73,42 @@ class AlignedCalls:
     def leaf_slot(self, leaf: int) -> Slot:
         """The slot a flat leaf belongs to."""
         return next(s for s in self.slots if s.start <= leaf < s.stop)
+
+    def present_slots(self, index: int) -> frozenset[str]:
+        """The tensor arguments call ``index`` passed."""
+        call = self.calls[index]
+        return frozenset(
+            s.name for s in self.slots if not s.is_constant and any(call[leaf] is not None for leaf in range(s.start, s.stop))
+        )
+
+    def subset(
+        self, calls: Sequence[int], slots: Collection[str], strict: bool = True
+    ) -> tuple[AlignedCalls, list[int]]:
+        """The given calls on the tensor arguments named in ``slots``, with the constant arguments
+        of the first call (with ``strict``, all must share them), and for each leaf of the
+        result the leaf it is here."""
+        constants = self.call_constants[calls[0]] if self.call_constants is not None else None
+        if strict and constants is not None and any(self.call_constants[i] != constants for i in calls):
+            raise ValueError("calls of one subset must share their constant arguments")
+        kept_slots, origin, start = [], [], 0
+        for slot in self.slots:
+            if slot.is_constant:
+                if constants is None:
+                    kept_slots.append(slot)
+                elif slot.name in constants:
+                    kept_slots.append(dataclasses.replace(slot, constant=constants[slot.name]))
+            elif slot.name in slots:
+                kept_slots.append(dataclasses.replace(slot, start=start))
+                origin.extend(range(slot.start, slot.stop))
+                start += len(slot.leaf_names)
+        names = [s.name for s in self.slots]
+        subset = AlignedCalls(
+            kept_slots, [[self.calls[i][leaf] for leaf in origin] for i in calls],
+            self.positional and [s.name for s in kept_slots] == names[: len(kept_slots)], self.kwargs_name,
+            {new: self.missing_dims[old] for new, old in enumerate(origin) if old in self.missing_dims},
+            [self.kept[i] for i in calls], list(self.notes),
+        )
+        return subset, origin
 
     def shapes(self) -> list[list[tuple[int, ...] | None]]:
         """Shape of every tensor leaf per call (``None`` for an absent input or a non-tensor)."""
@@ -150,7 +187,7 @@ class AlignedCalls:
         """Arrange one value per flat leaf (e.g. dynamic shapes) like the arguments, with
         registered classes as lists of their flattened children, constants as ``None``.
 
-        With ``constants`` false (the signature of :class:`~.export.BoundConstants`), constant
+        With ``constants`` false (the signature of the engine's ``BoundConstants``), constant
         arguments are left out and extra keywords are not nested under ``**kwargs``.
         """
         values: dict[str, Any] = {}
@@ -173,51 +210,36 @@ class AlignedCalls:
         return _pytree.tree_unflatten(list(leaves[slot.start : slot.stop]), slot.spec)
 
 
-@dataclass
-class _SlotValues:
-    """The values one argument took over the calls (``None`` when absent)."""
-
-    name: str
-    values: list[Any]
-    default: Any = inspect.Parameter.empty
-    var_positional: bool = False
-    var_keyword: bool = False
-
-
 def align_calls(
     calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     signature: inspect.Signature,
     value_if_missing: dict[str | int, Any] | None = None,
-    keep_majority: bool = False,
+    mixed_constants: bool = False,
 ) -> AlignedCalls:
     """Bind every call to ``signature`` and line the calls up on flat leaves.
 
     Raises ``ValueError`` naming the argument and the calls when an argument changes structure
     or rank between calls, or when an absent input has no way to be stood in for.  Calls made
     with different constant arguments (``generate()`` passes ``use_cache=True``, a test does not)
-    cannot share one graph: that is an error too, unless ``keep_majority`` keeps the calls of
-    the most frequent configuration and says which were left out in ``notes``.
+    cannot share one graph: that is an error too, unless ``mixed_constants`` records each call's
+    constants in ``call_constants`` (the engine then exports one graph per configuration).
     """
     if not calls:
         raise ValueError("no call was recorded")
     params = signature.parameters
     kwargs_name = next((n for n, p in params.items() if p.kind is p.VAR_KEYWORD), None)
-    missing = _missing_by_name(value_if_missing or {}, list(params))
-    slots_values = _bind_all(calls, signature)
-    kept, notes = list(range(len(calls))), []
-    if keep_majority:
-        kept, notes = _majority_configuration(slots_values)
-        calls = [calls[i] for i in kept]
-        slots_values = [dataclasses.replace(sv, values=[sv.values[i] for i in kept]) for sv in slots_values]
+    missing = missing_by_name(value_if_missing or {}, list(params))
+    slots_values = bind_all(calls, signature)
     positional = not any(kw for _, kw in calls) and not any(s.var_positional for s in slots_values)
     slots: list[Slot] = []
     flat_calls: list[list[Any]] = [[] for _ in calls]
+    call_constants: list[dict[str, Any]] = [{} for _ in calls]
     for sv in slots_values:
-        values = [missing.get(sv.name) if _is_absent(v) else v for v in sv.values]
-        if all(_is_absent(v) for v in values):
+        values = [missing.get(sv.name) if is_absent(v) else v for v in sv.values]
+        if all(is_absent(v) for v in values):
             continue
         if any(isinstance(v, CONSTANT_TYPES) for v in values):
-            constant = _constant(sv, values)
+            constant = per_call_constants(sv, values, call_constants) if mixed_constants else uniform_constant(sv, values)
             if constant is not None:
                 slots.append(Slot(sv.name, None, (), 0, constant[0], True, sv.var_positional, sv.var_keyword))
                 positional = False
@@ -231,96 +253,17 @@ def align_calls(
             flat.extend(leaves)
     if [s.name for s in slots] != list(params)[: len(slots)]:
         positional = False  # a skipped argument would shift the positions
-    aligned = AlignedCalls(slots, flat_calls, positional, kwargs_name, kept=kept, notes=notes)
+    aligned = AlignedCalls(slots, flat_calls, positional, kwargs_name, kept=list(range(len(calls))),
+                           call_constants=call_constants if mixed_constants else None)
     _check_ranks(aligned)
-    aligned.missing_dims = _missing_dims(aligned)
+    aligned.missing_dims = _missing_dims(aligned, strict=not mixed_constants)
     return aligned
-
-
-def _majority_configuration(slots_values: list[_SlotValues]) -> tuple[list[int], list[str]]:
-    """The calls sharing the most frequent constant arguments (the first seen on a tie), and a
-    note naming what the others passed."""
-    constant = [sv for sv in slots_values if any(isinstance(v, CONSTANT_TYPES) for v in sv.values)]
-    n_calls = len(slots_values[0].values) if slots_values else 0
-
-    def configuration(i: int) -> tuple[str, ...]:
-        return tuple(f"{sv.name}={_shown(sv, sv.values[i])}" for sv in constant)
-
-    counts = Counter(configuration(i) for i in range(n_calls))
-    best = max(counts, key=lambda c: (counts[c], -[configuration(i) for i in range(n_calls)].index(c)))
-    kept = [i for i in range(n_calls) if configuration(i) == best]
-    if len(kept) == n_calls:
-        return kept, []
-    others = sorted({c for i in range(n_calls) if (c := configuration(i)) != best})
-    return kept, [
-        f"{n_calls - len(kept)} of {n_calls} calls left out: their constant arguments "
-        f"({'; '.join(', '.join(c) for c in others)}) differ from the kept calls' ({', '.join(best)})"
-    ]
-
-
-def _shown(sv: _SlotValues, value: Any) -> str:
-    if value is not None:
-        return repr(value)
-    return "absent" if sv.default is inspect.Parameter.empty else f"{sv.default!r} (default)"
-
-
-def _missing_by_name(value_if_missing: dict[str | int, Any], names: list[str]) -> dict[str, Any]:
-    return {(names[k] if isinstance(k, int) else k): v for k, v in value_if_missing.items()}
-
-
-def _bind_all(calls: Sequence[tuple[tuple, dict]], signature: inspect.Signature) -> list[_SlotValues]:
-    """One :class:`_SlotValues` per argument name, in signature order, extra keywords last."""
-    params = signature.parameters
-    by_name: dict[str, _SlotValues] = {}
-    for name, p in params.items():
-        if p.kind is p.VAR_KEYWORD:
-            continue
-        by_name[name] = _SlotValues(name, [], p.default, var_positional=p.kind is p.VAR_POSITIONAL)
-    for i, (args, kwargs) in enumerate(calls):
-        try:
-            bound = signature.bind(*args, **kwargs).arguments
-        except TypeError as e:
-            raise ValueError(f"call {i} does not match the signature {signature}: {e}") from e
-        extra = {}
-        for name, p in params.items():
-            if p.kind is p.VAR_KEYWORD:
-                extra = bound.get(name, {})
-            elif name in bound:
-                by_name[name].values.append(bound[name] if not by_name[name].var_positional else tuple(bound[name]))
-        for name, value in extra.items():
-            by_name.setdefault(name, _SlotValues(name, [None] * i, var_keyword=True)).values.append(value)
-        for sv in by_name.values():
-            sv.values.extend([None] * (i + 1 - len(sv.values)))
-    return list(by_name.values())
-
-
-def _is_absent(value: Any) -> bool:
-    if value is None:
-        return True
-    if isinstance(value, (torch.Tensor, *CONSTANT_TYPES)):
-        return False
-    return _pytree.tree_flatten(value)[1].num_leaves == 0
-
-
-def _constant(sv: _SlotValues, values: list[Any]) -> tuple[Any] | None:
-    """``(value,)`` of a constant argument, ``None`` when it equals the default."""
-    seen = {repr(sv.default if v is None else v): (i, v) for i, v in enumerate(values)}
-    if len(seen) > 1 or any(isinstance(v, torch.Tensor) for v in values):
-        shown = ", ".join(
-            f"call {i}: default {sv.default!r}" if v is None else f"call {i}: {string_type(v)}={v!r}"
-            for i, v in seen.values()
-        )
-        raise ValueError(f"argument {sv.name!r} must keep one constant value across calls, got {shown}")
-    value = next(v for v in values if v is not None)
-    if sv.default is not inspect.Parameter.empty and value == sv.default:
-        return None
-    return (value,)
 
 
 def _flatten_slot(name: str, values: list[Any]) -> tuple[_pytree.TreeSpec, list[list[Any]], Any]:
     """The common pytree spec of a slot, each call's leaves (``None`` where absent) and the
     value with most leaves."""
-    flats = [None if _is_absent(v) else _pytree.tree_flatten(v) for v in values]
+    flats = [None if is_absent(v) else _pytree.tree_flatten(v) for v in values]
     reference = max(range(len(values)), key=lambda i: -1 if flats[i] is None else flats[i][1].num_leaves)
     spec = flats[reference][1]
     for i, flat in enumerate(flats):
@@ -359,12 +302,13 @@ def _check_ranks(aligned: AlignedCalls) -> None:
             raise ValueError(f"input {name!r} changes rank between calls ({shown})")
 
 
-def _missing_dims(aligned: AlignedCalls) -> dict[int, int]:
+def _missing_dims(aligned: AlignedCalls, strict: bool = True) -> dict[int, int]:
     """For every leaf absent from some call, the dimension its empty stand-in has as 0.
 
     The last dimension other than the first (the batch) that varies across calls: the sequence
     of a cache or of position ids; else the sequence axis of the usual layouts: ``(batch, seq)``,
-    ``(batch, seq, hidden)``, ``(batch, heads, seq, head_dim)``, ``(seq,)``.
+    ``(batch, seq, hidden)``, ``(batch, heads, seq, head_dim)``, ``(seq,)``.  Otherwise an error
+    when ``strict``, else no empty stand-in for that leaf.
     """
     shapes = aligned.shapes()
     dims: dict[int, int] = {}
@@ -378,7 +322,7 @@ def _missing_dims(aligned: AlignedCalls) -> dict[int, int]:
             dims[leaf] = varying[-1]
         elif rank in SEQUENCE_AXIS_BY_RANK:
             dims[leaf] = SEQUENCE_AXIS_BY_RANK[rank]
-        else:
+        elif strict:
             absent = [i for i, call in enumerate(shapes) if call[leaf] is None]
             raise ValueError(
                 f"input {name!r} is absent from call(s) {absent} and was seen with the single "

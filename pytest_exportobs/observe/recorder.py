@@ -222,10 +222,10 @@ class CallRecorder:
         names = [n for n in self.signature.parameters if n in kwargs]
         return {**{n: kwargs[n] for n in names}, **kwargs}
 
-    def aligned(self, keep_majority: bool = False) -> AlignedCalls:
+    def aligned(self, mixed_constants: bool = False) -> AlignedCalls:
         """The stored observations aligned on one input structure (see :mod:`.alignment`);
-        ``keep_majority`` keeps the calls sharing the most frequent constant arguments instead
-        of raising when they differ."""
+        ``mixed_constants`` records each call's constant arguments instead of raising when they
+        differ."""
         if not self.observations or self.signature is None:
             reason = (
                 f"; {self.counts.failed} call(s) could not be recorded: {'; '.join(self.errors)}"
@@ -235,5 +235,5 @@ class CallRecorder:
         with flattening_context():
             return align_calls(
                 [(o.args, o.kwargs) for o in self.observations], self.signature, self.value_if_missing,
-                keep_majority=keep_majority,
+                mixed_constants=mixed_constants,
             )

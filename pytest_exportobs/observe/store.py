@@ -41,6 +41,9 @@ class ObserveOptions:
     xfail: bool | str | None = None
     patches: tuple[str, ...] = ()
     store_n_calls: int = 3
+    dims: str | None = None  # "roles" or "observed"; None: the session's export_dims
+    dynamic: tuple[str, ...] = ()  # "input:axis" made dynamic
+    static: tuple[str, ...] = ()  # "input:axis" pinned static
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], where: str) -> ObserveOptions:
@@ -53,9 +56,12 @@ class ObserveOptions:
         batch = values.get("set_batch_dimension_for")
         if batch is not None and not isinstance(batch, bool):
             values["set_batch_dimension_for"] = frozenset(batch)
-        if isinstance(values.get("patches"), str):
-            values["patches"] = (values["patches"],)
-        values["patches"] = tuple(values.get("patches", ()))
+        for key in ("patches", "dynamic", "static"):
+            if isinstance(values.get(key), str):
+                values[key] = (values[key],)
+            values[key] = tuple(values.get(key, ()))
+        if values.get("dims") not in (None, "roles", "observed"):
+            raise TypeError(f"{where}: dims must be 'roles' or 'observed', got {values['dims']!r}")
         for key in ("atol", "rtol"):
             if values.get(key) is not None and not isinstance(values[key], (int, float)):
                 raise TypeError(f"{where}: {key} must be a number, got {values[key]!r}")

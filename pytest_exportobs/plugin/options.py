@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ..engine.settings import TARGETS, CheckSettings
+from ..engine.settings import DIM_MODES, TARGETS, CheckSettings
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,13 @@ class Options:
             isolate=bool(option.export_isolate) or config.getini("export_isolate"),
             check=CheckSettings(
                 export_dir=_path(config, option.export_dir, "export_dir") or config.rootpath / ".exportobs",
-                target=_target(option.export_target or config.getini("export_target") or "onnx"),
+                target=_choice(option.export_target or config.getini("export_target") or "onnx", "export_target", TARGETS),
                 atol=_float(config.getini("export_atol"), "export_atol"),
                 rtol=_float(config.getini("export_rtol"), "export_rtol"),
                 examples=_int(option.export_examples, config.getini("export_examples"), "export_examples"),
                 patches=tuple(config.getini("export_patches")),
                 hypothesis_seed=_hypothesis_seed(config),
+                dims=_choice(config.getini("export_dims") or "roles", "export_dims", DIM_MODES),
             ),
         )
 
@@ -78,6 +79,8 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("export_isolate", "one subprocess per model (like --export-isolate)", type="bool", default=False)
     parser.addini("export_atol", "absolute tolerance for every model (default: per dtype)", default="")
     parser.addini("export_rtol", "relative tolerance for every model (default: per dtype)", default="")
+    parser.addini("export_dims", "roles (default): batch, sequence, cache and encoder lengths are dynamic even "
+                  "when the tests never vary them; observed: only the dims the tests vary", default="roles")
     parser.addini("export_patches", "dotted paths to context-manager factories entered around export "
                   "and verification", type="linelist", default=[])
 
@@ -112,9 +115,9 @@ def _float(value: str, name: str) -> float | None:
         raise pytest.UsageError(f"{name} must be a number, got {value!r}") from None
 
 
-def _target(value: str) -> str:
-    if value not in TARGETS:
-        raise pytest.UsageError(f"export_target must be one of {TARGETS}, got {value!r}")
+def _choice(value: str, name: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise pytest.UsageError(f"{name} must be one of {choices}, got {value!r}")
     return value
 
 

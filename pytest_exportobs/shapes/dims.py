@@ -6,30 +6,45 @@ from dataclasses import dataclass, field
 
 Axis = tuple[int, int]  # (flat leaf index, dimension)
 
+# Why a dimension is dynamic, strongest first: the user said so, its input was named in
+# set_batch_dimension_for, the calls varied it, its role demands it, its role is a guess.
+SOURCES = ("declared", "forced", "observed", "role", "guess")
+
 
 @dataclass(frozen=True)
 class Relation:
-    """``derived = sum(terms) + constant`` in every observed call."""
+    """``derived = scale * sum(terms) + constant`` in every call (``scale`` with one term only:
+    ``height = 2*height_k``, what torch proves for a side that a stride-2 layer halves)."""
 
     derived: str
     terms: tuple[str, ...]
     constant: int = 0
+    scale: int = 1
 
     def __str__(self) -> str:
         rhs = " + ".join(self.terms)
+        if self.scale != 1:
+            rhs = f"{self.scale}*{rhs}"
         if self.constant:
             rhs += f" {'+' if self.constant > 0 else '-'} {abs(self.constant)}"
         return f"{self.derived} = {rhs}"
 
+    def size(self, sizes: dict[str, int]) -> int:
+        """The derived size given the sizes of the terms."""
+        return self.scale * sum(sizes[t] for t in self.terms) + self.constant
+
 
 @dataclass
 class Variable:
-    """A dimension variable: its axes, the size it had in each call (``None``: unknown)."""
+    """A dimension variable: its axes, the size it had in each call (``None``: unknown), why it
+    is dynamic (one of :data:`SOURCES`) and the role of its axes, if any."""
 
     name: str
     axes: list[Axis]
     values: list[int | None]
     stood_in: list[bool] = field(default_factory=list)  # the size is only an empty stand-in's 0
+    source: str = "observed"
+    role: str | None = None
 
     @property
     def known(self) -> list[int]:
@@ -38,6 +53,11 @@ class Variable:
     @property
     def bounds(self) -> tuple[int, int]:
         return min(self.known), max(self.known)
+
+    @property
+    def demanded(self) -> bool:
+        """Whether a deployment needs it dynamic (anything but a guess from a generic input)."""
+        return self.source != "guess"
 
     def recorded_bounds(self) -> tuple[int, int]:
         """Bounds over the sizes real inputs had (a stand-in's 0 left out)."""

@@ -1,29 +1,80 @@
 """Infer dimension variables and relations from the sizes of aligned calls.
 
-A dimension whose size varies across calls is dynamic (or the first one of an input named in
-``set_batch_dimension_for``); dynamic dimensions equal in every call are one *variable*; a
-variable equal in every call to the sum of others plus a constant is *derived*.
+An axis is dynamic when its size varies across calls, when the first axis of an input named in
+``set_batch_dimension_for``, when declared so, or (with roles on) when its role demands it (see
+:mod:`.roles`).  Dynamic axes of equal sizes in every call are one *variable* when they also
+vary together, share a role, or belong to an input present in some calls only; a variable equal
+in every call to the sum of others plus a constant is *derived*.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
 from ..observe.alignment import AlignedCalls
-from .dims import Axis, Relation, Variable
+from .dims import SOURCES, Axis, Relation, Variable
+from .roles import Role, axis_roles, cache_kind
+
+Sizes = dict[Axis, list[int | None]]
 
 
-def infer_variables(aligned: AlignedCalls, forced: set[Axis]) -> list[Variable]:
-    """The unnamed variables of the dynamic axes (varying ones and ``forced`` ones)."""
-    sizes = _axis_sizes(aligned)
-    dynamic = [
-        axis for axis, values in sizes.items()
-        if axis in forced or len(set(_present(aligned, axis, values))) > 1
+@dataclass(frozen=True)
+class DimPolicy:
+    """Which axes are dynamic besides the ones the calls vary: ``roles`` adds the axes whose
+    role demands it (batch, sequence, cache and encoder lengths) and guesses on generic inputs;
+    ``dynamic`` and ``static`` name axes (``input:axis``, e.g. ``pixel_values:2``) to add or pin."""
+
+    roles: bool = False
+    dynamic: frozenset[str] = frozenset()
+    static: frozenset[str] = frozenset()
+
+
+def infer_variables(aligned: AlignedCalls, forced: set[Axis], policy: DimPolicy = DimPolicy()) -> list[Variable]:
+    """The unnamed variables of the dynamic axes."""
+    # absent inputs count 0 on their empty dimension (a prefill's past); with roles only caches
+    # do, a mask or labels absent from a call says nothing of its size there
+    empty = {leaf for leaf in aligned.missing_dims if not policy.roles or cache_kind(aligned, leaf) == "self"}
+    sizes = _axis_sizes(aligned, empty)
+    roles = axis_roles(aligned) if policy.roles else {}
+    declared, pinned = _named_axes(aligned, policy.dynamic), _named_axes(aligned, policy.static)
+    sources: dict[Axis, str] = {}
+    for axis, values in sizes.items():
+        role = roles.get(axis)
+        reasons = {
+            "declared": axis in declared, "forced": axis in forced,
+            "observed": len(set(_present(aligned, axis, values))) > 1,
+            "role": role is not None and role.demanded, "guess": role is not None and not role.demanded,
+        }
+        source = next((name for name in SOURCES if reasons[name]), None)
+        if source is not None and axis not in pinned:
+            sources[axis] = source
+    groups = _group(aligned, list(sources), sizes, roles, forced, join_partial=policy.roles)
+    return [
+        Variable(
+            "", group, _merged(sizes, group), _stood_in(aligned, group),
+            source=min((sources[a] for a in group), key=SOURCES.index),
+            role=next((roles[a].name for a in group if a in roles), None),
+        )
+        for group in groups
     ]
-    groups = _group_equal(dynamic, sizes, forced)
-    return [Variable("", group, _merged(sizes, group), _stood_in(aligned, group)) for group in groups]
+
+
+def _named_axes(aligned: AlignedCalls, keys: frozenset[str]) -> set[Axis]:
+    """The axes named ``leaf:axis`` or ``input:axis`` (every leaf of that argument)."""
+    axes: set[Axis] = set()
+    for key in keys:
+        name, _, dim = key.rpartition(":")
+        leaves = [
+            leaf for leaf, leaf_name in enumerate(aligned.leaf_names)
+            if name in (leaf_name, aligned.leaf_slot(leaf).name)
+        ]
+        if not leaves or not dim.isdigit():
+            raise ValueError(f"dims {key!r}: expected 'input:axis' with an input among {aligned.leaf_names}")
+        axes.update((leaf, int(dim)) for leaf in leaves)
+    return axes
 
 
 def forced_batch_axes(aligned: AlignedCalls, selector: bool | set[int | str] | None) -> set[Axis]:
@@ -55,16 +106,17 @@ def forced_batch_axes(aligned: AlignedCalls, selector: bool | set[int | str] | N
     return axes
 
 
-def _axis_sizes(aligned: AlignedCalls) -> dict[Axis, list[int | None]]:
-    """Size of every tensor axis in every call; an absent input counts 0 on its empty dimension."""
+def _axis_sizes(aligned: AlignedCalls, empty: set[int]) -> Sizes:
+    """Size of every tensor axis in every call; an absent input among ``empty`` counts 0 on its
+    empty dimension, any other absent input is unknown."""
     shapes = aligned.shapes()
-    sizes: dict[Axis, list[int | None]] = {}
+    sizes: Sizes = {}
     for leaf in range(len(aligned.leaf_names)):
         rank = next((len(s[leaf]) for s in shapes if s[leaf] is not None), 0)
         for dim in range(rank):
             sizes[(leaf, dim)] = [
                 s[leaf][dim] if s[leaf] is not None
-                else (0 if aligned.missing_dims.get(leaf) == dim else None)
+                else (0 if leaf in empty and aligned.missing_dims.get(leaf) == dim else None)
                 for s in shapes
             ]
     return sizes
@@ -75,24 +127,52 @@ def _present(aligned: AlignedCalls, axis: Axis, values: list[int | None]) -> lis
     return [v for v, call in zip(values, aligned.calls) if call[axis[0]] is not None]
 
 
-def _group_equal(dynamic: list[Axis], sizes: dict[Axis, list[int | None]], forced: set[Axis]) -> list[list[Axis]]:
-    """Axes equal in every call where both are known, and seen varying together (or both forced)."""
+def _group(
+    aligned: AlignedCalls, axes: list[Axis], sizes: Sizes, roles: dict[Axis, Role], forced: set[Axis],
+    join_partial: bool,
+) -> list[list[Axis]]:
+    """Axes of one variable: equal in every call where both are known, never of two roles, and
+    varying together, of one role or both forced.  With ``join_partial``, an axis of an input
+    present in some calls only then joins the variable it equals where present (preferring the
+    same dimension)."""
     groups: list[list[Axis]] = []
-    for axis in dynamic:
-        for group in groups:
-            if _same_variable(sizes[group[0]], sizes[axis], group[0] in forced and axis in forced):
-                group.append(axis)
-                break
+    partial = [a for a in axes if join_partial and _is_partial(aligned, a) and a not in roles]
+    for axis in [a for a in axes if a not in partial]:
+        group = next((g for g in groups if _same_variable(g, axis, sizes, roles, forced)), None)
+        if group is None:
+            groups.append([axis])
+        else:
+            group.append(axis)
+    for axis in partial:
+        equal = [g for g in groups if _equal_where_present(aligned, sizes, g, axis)]
+        equal.sort(key=lambda g: (g[0][1] != axis[1], axes.index(g[0])))
+        if equal:
+            equal[0].append(axis)
         else:
             groups.append([axis])
     return groups
 
 
-def _same_variable(a: list[int | None], b: list[int | None], both_forced: bool) -> bool:
-    common = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+def _same_variable(group: list[Axis], axis: Axis, sizes: Sizes, roles: dict[Axis, Role], forced: set[Axis]) -> bool:
+    common = [(x, y) for x, y in zip(_merged(sizes, group), sizes[axis]) if x is not None and y is not None]
     if not common or any(x != y for x, y in common):
         return False
-    return both_forced or len({x for x, _ in common}) > 1
+    group_role = next((roles[a].name for a in group if a in roles), None)
+    role = roles[axis].name if axis in roles else None
+    if group_role and role:
+        return group_role == role
+    return len({x for x, _ in common}) > 1 or (axis in forced and all(a in forced for a in group))
+
+
+def _is_partial(aligned: AlignedCalls, axis: Axis) -> bool:
+    """Whether the axis's input is absent from some call."""
+    return any(call[axis[0]] is None for call in aligned.calls)
+
+
+def _equal_where_present(aligned: AlignedCalls, sizes: Sizes, group: list[Axis], axis: Axis) -> bool:
+    merged = _merged(sizes, group)
+    pairs = [(merged[i], size) for i, size in enumerate(sizes[axis]) if aligned.calls[i][axis[0]] is not None]
+    return bool(pairs) and all(x == y for x, y in pairs)
 
 
 def _stood_in(aligned: AlignedCalls, group: list[Axis]) -> list[bool]:
@@ -100,7 +180,7 @@ def _stood_in(aligned: AlignedCalls, group: list[Axis]) -> list[bool]:
     return [all(call[leaf] is None for leaf, _ in group) for call in aligned.calls]
 
 
-def _merged(sizes: dict[Axis, list[int | None]], group: list[Axis]) -> list[int | None]:
+def _merged(sizes: Sizes, group: list[Axis]) -> list[int | None]:
     columns = zip(*(sizes[axis] for axis in group))
     return [next((v for v in column if v is not None), None) for column in columns]
 
@@ -147,3 +227,17 @@ def _relation(variables: list[Variable], target: int, terms: tuple[int, ...]) ->
     if rank < unknowns or (constant and len(rows) <= unknowns):
         return None
     return Relation(str(target), tuple(str(t) for t in terms), constant)
+
+
+def role_relations(variables: list[Variable]) -> list[Relation]:
+    """``total_seq = past_seq + seq`` between the variables of those roles, when it holds in every
+    call: what a mask covering the cache and the new tokens means, even when the calls never
+    varied the two independently."""
+    by_role = {v.role: str(i) for i, v in enumerate(variables) if v.role}
+    if not {"total_seq", "past_seq", "seq"} <= set(by_role):
+        return []
+    total, past, seq = (variables[int(by_role[r])] for r in ("total_seq", "past_seq", "seq"))
+    rows = [(t, p, s) for t, p, s in zip(total.values, past.values, seq.values) if None not in (t, p, s)]
+    if not rows or any(t != p + s for t, p, s in rows):
+        return []
+    return [Relation(by_role["total_seq"], (by_role["past_seq"], by_role["seq"]))]

@@ -9,6 +9,8 @@ the model says so in ``notes``.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +19,9 @@ import torch
 from ..core.text import identifier
 from ..observe.alignment import AlignedCalls
 from .dims import Axis, Relation, Variable
-from .inference import derive_relations, forced_batch_axes, infer_variables
+from .inference import DimPolicy, derive_relations, forced_batch_axes, infer_variables, role_relations
 from .naming import name_variables
+from .standins import stand_in, stand_in_kind
 
 
 @dataclass
@@ -29,6 +32,7 @@ class ShapeModel:
     variables: list[Variable]
     relations: list[Relation] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    meaningful_stand_ins: bool = False  # absent masks are ones, positions follow the cache...
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -37,16 +41,19 @@ class ShapeModel:
         aligned: AlignedCalls,
         set_batch_dimension_for: bool | set[int | str] | None = None,
         dim_names: bool | dict[str, str] | None = None,
+        policy: DimPolicy = DimPolicy(),
     ) -> ShapeModel:
-        """Infer variables, relations and names from aligned calls."""
+        """Infer variables, relations and names from aligned calls; the default ``policy`` makes
+        dynamic only what the calls vary (the seed API), the plugin adds roles."""
         forced = forced_batch_axes(aligned, set_batch_dimension_for)
-        variables = infer_variables(aligned, forced)
+        variables = infer_variables(aligned, forced, policy)
         notes: list[str] = []
-        relations: list[Relation] = []
+        relations = role_relations(variables) if policy.roles else []
         if aligned.n_calls < 2:
             notes.append("one observed call: no relation between dimensions can be inferred")
         else:
-            relations = derive_relations(variables)
+            derived = {r.derived for r in relations}
+            relations += [r for r in derive_relations(variables) if r.derived not in derived]
         overrides = dim_names if isinstance(dim_names, dict) else {}
         relations = name_variables(aligned, variables, relations, overrides, forced)
         return cls(aligned, variables, relations, notes)
@@ -59,6 +66,20 @@ class ShapeModel:
             return
         target.axes.extend(source.axes)
         self.variables.remove(source)
+        self.relations = [r for r in self.relations if name not in (r.derived, *r.terms)]
+
+    def derive(self, name: str, relation: Relation) -> None:
+        """Make variable ``name`` follow ``relation`` from a new free variable without axes
+        (torch.export restricted it: ``height = 2*height_half``)."""
+        var = next(v for v in self.variables if v.name == name)
+        (free,) = relation.terms
+        values = [None if v is None else v // relation.scale for v in var.values]
+        self.variables.append(Variable(free, [], values, list(var.stood_in), var.source))
+        self.relations = [relation, *(r for r in self.relations if r.derived != name)]
+
+    def drop(self, name: str) -> None:
+        """Make variable ``name`` static again (eager or torch.export cannot vary it)."""
+        self.variables = [v for v in self.variables if v.name != name]
         self.relations = [r for r in self.relations if name not in (r.derived, *r.terms)]
 
     # -- queries --------------------------------------------------------------------------------
@@ -125,24 +146,58 @@ class ShapeModel:
         return [v.name for v in self.variables if (size := v.values[index]) is None or size < 2]
 
     def call_leaves(self, index: int) -> list[Any]:
-        """The flat leaves of call ``index``; an absent input becomes an empty tensor sized like
-        the call's other inputs (a cache absent at prefill gets the prefill's batch) with 0 on
-        its missing dimension."""
+        """The flat leaves of call ``index``.  An absent input is sized like the call's other
+        inputs (a cache absent at prefill gets the prefill's batch); with meaningful stand-ins
+        its value is what its absence means (see :mod:`.standins`), else an empty tensor with 0
+        on its missing dimension when that dimension is dynamic (zeros otherwise)."""
         leaves = list(self.aligned.calls[index])
+        sizes = self.sizes_at(index)
         for leaf, value in enumerate(leaves):
-            if value is None and leaf in self.aligned.missing_dims:
-                leaves[leaf] = self._stand_in(leaf, index)
+            if value is not None:
+                continue
+            kind = stand_in_kind(self.aligned, self.aligned.leaf_slot(leaf)) if self.meaningful_stand_ins else None
+            if kind is None and leaf not in self.aligned.missing_dims:
+                continue
+            reference = self.aligned.reference_tensor(leaf)
+            shape = [
+                sizes.get(var.name, size) if (var := self.variable_of((leaf, dim))) else size
+                for dim, size in enumerate(reference.shape)
+            ]
+            if kind is None:
+                missing = self.aligned.missing_dims[leaf]
+                shape[missing] = 0 if self.variable_of((leaf, missing)) else shape[missing]
+                kind = "zeros"
+            leaves[leaf] = stand_in(kind, reference, shape, sizes.get(self._past_name(), 0))
         return leaves
 
-    def _stand_in(self, leaf: int, index: int) -> torch.Tensor:
-        reference = self.aligned.reference_tensor(leaf)
-        shape = list(reference.shape)
-        for dim in range(len(shape)):
-            var = self.variable_of((leaf, dim))
-            if var is not None and var.values[index] is not None:
-                shape[dim] = var.values[index]
-        shape[self.aligned.missing_dims[leaf]] = 0
-        return torch.empty(shape, dtype=reference.dtype, device=reference.device)
+    def sizes_at(self, index: int) -> dict[str, int]:
+        """The size of every variable in call ``index`` that is known or follows from a relation
+        (a total length from the past and new lengths)."""
+        sizes = {v.name: v.values[index] for v in self.variables if v.values[index] is not None}
+        for relation in self.relations:
+            if relation.derived not in sizes and all(t in sizes for t in relation.terms):
+                sizes[relation.derived] = relation.size(sizes)
+        return sizes
+
+    def _past_name(self) -> str:
+        return next((v.name for v in self.variables if v.role == "past_seq"), "")
+
+    def project(self, calls: list[int], slots: Collection[str], strict: bool = True) -> ShapeModel:
+        """This model on some calls and arguments (a graph of its own), absent inputs of known
+        meaning stood in for meaningfully.  Variables keep their names and stay dynamic even
+        where the given calls do not vary them.  ``strict``: see ``AlignedCalls.subset``."""
+        aligned, origin = self.aligned.subset(calls, slots, strict)
+        new_leaf = {old: new for new, old in enumerate(origin)}
+        variables = [
+            dataclasses.replace(
+                var, axes=[(new_leaf[leaf], dim) for leaf, dim in var.axes if leaf in new_leaf],
+                values=[var.values[i] for i in calls], stood_in=[var.stood_in[i] for i in calls],
+            )
+            for var in self.variables if any(leaf in new_leaf for leaf, _ in var.axes)
+        ]
+        names = {v.name for v in variables}
+        relations = [r for r in self.relations if {r.derived, *r.terms} <= names]
+        return ShapeModel(aligned, variables, relations, list(self.notes), meaningful_stand_ins=True)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-native summary (reports, baseline, xdist payloads)."""

@@ -5,14 +5,7 @@ from __future__ import annotations
 from ..core.text import identifier
 from ..observe.alignment import AlignedCalls
 from .dims import Axis, Relation, Variable
-
-BATCH_FIRST_INPUTS = (
-    "input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds",
-    "decoder_input_ids", "decoder_attention_mask", "pixel_values", "input_features",
-)
-SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids", "decoder_input_ids")
-CACHE_INPUTS = ("past_key_values", "cache", "past")
-
+from .roles import Role, axis_roles
 
 def name_variables(
     aligned: AlignedCalls, variables: list[Variable], relations: list[Relation],
@@ -21,8 +14,9 @@ def name_variables(
     """Name ``variables`` in place (roles, then ``overrides`` by name or ``input:axis``) and
     return ``relations`` spelled with the names."""
     taken: set[str] = set()
+    roles = axis_roles(aligned, generic=False)
     for var in variables:
-        name = "batch" if forced & set(var.axes) else default_name(aligned, var)
+        name = "batch" if forced & set(var.axes) else default_name(aligned, var, roles)
         while name in taken:
             name = bump(name)
         taken.add(name)
@@ -55,37 +49,19 @@ def name_variables(
     ]
 
 
-def default_name(aligned: AlignedCalls, var: Variable) -> str:
-    """Readable name of a variable from the inputs and axes it spans (as transformers names them)."""
-    roles = [axis_role(aligned, leaf, dim) for leaf, dim in var.axes]
+def default_name(aligned: AlignedCalls, var: Variable, roles: dict[Axis, Role]) -> str:
+    """Readable name of a variable: its role, else the preferred role among its axes (as
+    transformers names them), ``batch`` for first axes of several inputs, else ``input_dimN``."""
+    if var.role:
+        return var.role
+    names = [roles[axis].name for axis in var.axes if axis in roles]
     for preferred in ("batch", "seq", "past_seq", "total_seq", "encoder_seq", "height", "width", "frames"):
-        if preferred in roles:
+        if preferred in names:
             return preferred
     leaf, dim = var.axes[0]
     if dim == 0 and len({aligned.leaf_slot(l).name for l, d in var.axes if d == 0}) > 1:
         return "batch"
     return f"{identifier(aligned.leaf_names[leaf])}_dim{dim}"
-
-
-def axis_role(aligned: AlignedCalls, leaf: int, dim: int) -> str | None:
-    slot = aligned.leaf_slot(leaf).name
-    leaf_name = aligned.leaf_names[leaf]
-    is_cache = any(slot.startswith(c) for c in CACHE_INPUTS) and leaf_name != slot
-    if dim == 0 and (slot in BATCH_FIRST_INPUTS or is_cache):
-        return "batch"
-    if is_cache and dim == 2:
-        return "encoder_seq" if "cross" in leaf_name else "past_seq"
-    if dim == 1 and slot in SEQUENCE_INPUTS:
-        return "seq"
-    if dim == 0 and slot == "cache_position":
-        return "seq"
-    if dim == 1 and slot in ("attention_mask", "decoder_attention_mask"):
-        return "total_seq"  # "seq" wins when the mask shares the tokens' variable
-    if slot in ("pixel_values",) and dim in (2, 3):
-        return ("height", "width")[dim - 2]
-    if slot == "input_features" and dim == 2:
-        return "frames"
-    return None
 
 
 def bump(name: str) -> str:

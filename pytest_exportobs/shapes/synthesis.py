@@ -70,7 +70,7 @@ def build_leaves(
     shapes: ShapeModel, sizes: dict[str, int], generator: torch.Generator, leaf_recipes: list[Recipe] | None = None
 ) -> list[Any]:
     """Flat leaves of a new call where each variable has the given size."""
-    template = shapes.aligned.calls[shapes.aligned.complete_call()]
+    template = shapes.call_leaves(shapes.aligned.complete_call())
     leaf_recipes = leaf_recipes or recipes(shapes)
     return [
         value if recipe.kind == "keep" else _fill(recipe, list(shape), sizes, generator)
@@ -80,7 +80,7 @@ def build_leaves(
 
 def leaf_shapes(shapes: ShapeModel, sizes: dict[str, int]) -> list[tuple[int, ...] | None]:
     """Shape of every flat leaf of the representative call resized to ``sizes`` (``None``: no tensor)."""
-    template = shapes.aligned.calls[shapes.aligned.complete_call()]
+    template = shapes.call_leaves(shapes.aligned.complete_call())
     return [
         tuple(sizes[axes[d]] if d in axes else s for d, s in enumerate(value.shape))
         if isinstance(value, torch.Tensor) else None

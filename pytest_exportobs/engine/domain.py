@@ -1,0 +1,157 @@
+"""The dynamic domain an export really has, read back from the ExportedProgram and the ONNX file.
+
+The shape model says which dims should be dynamic; torch decides.  It may prove two dims equal,
+restrict a side to even sizes (``height = 2*k``) or turn a dim into a constant.  This module reads
+the input shapes torch produced, tells which intended dims became constants, refines the shape
+model with what torch proved, and reports the dims of the file actually written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sympy
+import torch
+
+from ..shapes.dims import Relation, Variable
+from ..shapes.model import ShapeModel
+
+Shape = tuple[Any, ...]  # per axis: an int (static) or a sympy expression / ONNX dim name
+
+
+@dataclass(frozen=True)
+class StaticAxis:
+    """An axis the shape model made dynamic and the export made the constant ``value``."""
+
+    variable: Variable
+    leaf_name: str
+    dim: int
+    value: int
+
+
+def program_shapes(program: torch.export.ExportedProgram) -> list[Shape]:
+    """Shape of every tensor input of the program, in order: ints and sympy expressions."""
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    shapes = []
+    for name in program.graph_signature.user_inputs:
+        value = nodes[name].meta.get("val") if name in nodes else None
+        if isinstance(value, torch.Tensor):
+            shapes.append(tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in value.shape))
+    return shapes
+
+
+def onnx_shapes(path: str | Path) -> list[Shape]:
+    """Shape of every input of an ONNX file, in order: ints and dim names (``None`` if unknown)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return [
+        tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in i.type.tensor_type.shape.dim)
+        for i in model.graph.input
+    ]
+
+
+def static_axes(shapes: ShapeModel, inputs: list[int], read: list[Shape]) -> list[StaticAxis]:
+    """The axes of variables that are constants in ``read`` (the shapes of the graph inputs,
+    ``inputs`` the leaves they stand for)."""
+    position = {leaf: i for i, leaf in enumerate(inputs)}
+    return [
+        StaticAxis(var, shapes.aligned.leaf_names[leaf], dim, int(read[position[leaf]][dim]))
+        for var in shapes.variables for leaf, dim in var.axes
+        if leaf in position and _is_int(read[position[leaf]][dim])
+    ]
+
+
+def upper_bounds(
+    shapes: ShapeModel, inputs: list[int], read: list[Shape], ranges: dict[Any, Any]
+) -> list[tuple[str, str, int]]:
+    """``(variable, symbol, upper)`` for every demanded variable whose axis is a symbol torch
+    bounded above (``ranges``: the program's range constraints)."""
+    position = {leaf: i for i, leaf in enumerate(inputs)}
+    found = []
+    for var in shapes.variables:
+        symbols = {read[position[leaf]][dim] for leaf, dim in var.axes if leaf in position}
+        symbol = next((s for s in symbols if isinstance(s, sympy.Symbol)), None)
+        bound = ranges.get(symbol) if var.demanded and symbol is not None else None
+        if bound is not None and math.isfinite(float(bound.upper)):
+            found.append((var.name, str(symbol), int(bound.upper)))
+    return found
+
+
+def read_dims(shapes: ShapeModel, inputs: list[int], read: list[Shape], names: dict[str, str]) -> dict[str, dict[str, str]]:
+    """``{input: {axis: name}}`` of every axis that is not a constant in ``read``; sympy
+    expressions are spelled with the variable names in ``names`` (symbol -> name)."""
+    dims: dict[str, dict[str, str]] = {}
+    for leaf, shape in zip(inputs, read):
+        axes = {str(dim): _spelled(size, names) for dim, size in enumerate(shape) if not _is_int(size)}
+        if axes:
+            dims[shapes.aligned.leaf_names[leaf]] = axes
+    return dims
+
+
+def refinements(shapes: ShapeModel, inputs: list[int], read: list[Shape]) -> tuple[dict[str, str], list[list[Any]]]:
+    """What torch proved about the variables, from the program's input shapes: variables whose
+    axes share one symbol are equal (``["merge", name, into]``), a variable whose axes read
+    ``c*s`` is a multiple of ``c`` (``["scale", name, c]``).  Also the name of every symbol and
+    expression (for the ONNX axis names)."""
+    position = {leaf: i for i, leaf in enumerate(inputs)}
+    names: dict[str, str] = {}
+    found: list[list[Any]] = []
+    for var in shapes.variables:
+        exprs = {read[position[leaf]][dim] for leaf, dim in var.axes if leaf in position}
+        exprs = [e for e in exprs if isinstance(e, sympy.Expr) and not e.is_number]
+        if len(exprs) != 1:
+            continue
+        expr, scaled = exprs[0], _scaled_symbol(exprs[0])
+        if isinstance(expr, sympy.Symbol):
+            owner = names.setdefault(str(expr), var.name)
+            if owner != var.name:
+                found.append(["merge", var.name, owner])
+        elif scaled is not None:
+            symbol, scale = scaled
+            names.setdefault(str(symbol), _scaled_name(var.name, scale))
+            names.setdefault(str(expr), var.name)
+            found.append(["scale", var.name, scale])
+    return names, found
+
+
+def apply_refinements(shapes: ShapeModel, found: list[list[Any]]) -> list[str]:
+    """Apply :func:`refinements` to the shape model; one note per refinement."""
+    notes = []
+    for kind, name, value in found:
+        if kind == "merge":
+            shapes.merge(name, into=value)
+            notes.append(f"torch.export proved {name} = {value}")
+        else:
+            free = _scaled_name(name, value)
+            shapes.derive(name, Relation(name, (free,), scale=value))
+            notes.append(f"torch.export restricts {name} to multiples of {value}: {name} = {value}*{free}")
+    return notes
+
+
+def _scaled_name(name: str, scale: int) -> str:
+    return f"{name}_half" if scale == 2 else f"{name}_div{scale}"
+
+
+def _scaled_symbol(expr: sympy.Expr) -> tuple[sympy.Symbol, int] | None:
+    """``(s, c)`` when ``expr`` is ``c*s`` with an integer ``c > 1``."""
+    if isinstance(expr, sympy.Mul) and len(expr.args) == 2:
+        number, symbol = sorted(expr.args, key=lambda a: not a.is_number)
+        if number.is_Integer and int(number) > 1 and isinstance(symbol, sympy.Symbol):
+            return symbol, int(number)
+    return None
+
+
+def _spelled(size: Any, names: dict[str, str]) -> str:
+    if not isinstance(size, sympy.Expr):
+        return str(size)
+    if str(size) in names:
+        return names[str(size)]
+    return str(size.subs({s: sympy.Symbol(names[str(s)]) for s in size.free_symbols if str(s) in names}))
+
+
+def _is_int(size: Any) -> bool:
+    return isinstance(size, int) or (isinstance(size, sympy.Expr) and size.is_number)

@@ -1,0 +1,225 @@
+"""One exported graph of a model: probe the unvaried dims, export, verify its calls, explore.
+
+:class:`GraphCheck` fills a :class:`~.result.GraphResult`.  Calls that ran on stand-ins for
+absent arguments and that the graph does not reproduce are handed back (``split``): they need
+a graph of their own, they do not fail this one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from ..core.trees import flat_outputs
+from ..observe.recorder import Observation
+from ..shapes.model import ShapeModel
+from .cache import ExportCache
+from .export import ExportOutcome, export_model
+from .graphs import GraphPlan
+from .probe import acceptor, probe_unvaried_dims
+from .repro import write_repro
+from .result import PASSED, GraphResult
+from .settings import CheckSettings
+from .variations import explore
+from .verify import OnnxRunner, OutputLayout, Tolerance, program_runner, verify_calls
+
+T = TypeVar("T")
+Runner = Callable[[list[Any]], list[Any]]
+
+
+@dataclass
+class ModelContext:
+    """What the graphs of one model share: the module, settings, recorded calls and references
+    (both indexed like the model's aligned calls), and how to run quietly and report progress."""
+
+    module: torch.nn.Module
+    method: str
+    settings: CheckSettings
+    tolerance: Tolerance
+    examples: int
+    patches: tuple[str, ...]
+    model_dir: Path
+    observations: list[Observation]
+    references: list[list[Any]]
+    quiet: Callable[[Callable[[], T]], T]
+    progress: Callable[[str], None]
+
+    def eager(self, shapes: ShapeModel) -> Runner:
+        """Run the module's method on flat leaves of ``shapes``' calls."""
+        method = getattr(self.module, self.method)
+
+        def run(leaves: list[Any]) -> list[Any]:
+            args, kwargs = shapes.aligned.split_arguments(leaves)
+            return flat_outputs(method(*args, **kwargs))
+
+        return run
+
+
+class GraphCheck:
+    """Export and verify one :class:`GraphPlan` on its projected shape model."""
+
+    def __init__(self, context: ModelContext, plan: GraphPlan, shapes: ShapeModel, directory: Path):
+        self.context, self.plan, self.shapes, self.directory = context, plan, shapes, directory
+        self.result = GraphResult(name=plan.name, calls=list(plan.calls), constants=_json_native(plan.constants))
+        self.runner: Runner | None = None
+        self.layout = OutputLayout()
+        self.split: list[int] = []  # model call indices to move to a graph of their own
+
+    def run(self) -> GraphResult:
+        context, result = self.context, self.result
+        probe_unvaried_dims(self.shapes, context.eager(self.shapes), result.notes)
+        outcome = self._export()
+        if not outcome.ok:
+            return result
+        self.runner = self._runner(outcome)
+        names = self.shapes.aligned.leaf_names
+        mask = next((names.index(n) for n in ("attention_mask", "decoder_attention_mask") if n in names), None)
+        self.layout = OutputLayout(tuple(outcome.outputs), mask)
+        if not self._verify():
+            return result
+        if context.examples:
+            self._variations()
+            if result.kind:
+                return result
+        result.verdict = PASSED
+        return result
+
+    def serves(self, shapes: ShapeModel, calls: list[int]) -> bool:
+        """Whether this graph reproduces the given calls of another plan (``shapes``: this
+        graph's calls then those, projected on its arguments); if so they join its calls."""
+        if self.runner is None or not self.result.passed:
+            return False
+        first = shapes.aligned.n_calls - len(calls)
+        leaves = [shapes.call_leaves(first + i) for i in range(len(calls))]
+        found = self.context.quiet(lambda: verify_calls(
+            self.runner, leaves, [self.context.references[c] for c in calls], self.context.tolerance, self.layout))
+        if not all(d.ok for d in found):
+            return False
+        self.result.calls.extend(calls)
+        self.result.notes.append(f"calls {calls} of other arguments or constants also run on this graph")
+        return True
+
+    def _export(self) -> ExportOutcome:
+        context, result = self.context, self.result
+        context.progress("export" + (f" [{self.plan.name}]" if self.plan.name else ""))
+        cache = ExportCache(context.settings.export_dir / "cache", context.patches) if context.settings.use_cache else None
+        accepts = acceptor(self.shapes, context.eager(self.shapes))
+        outcome = context.quiet(lambda: export_model(
+            context.module, self.shapes, context.settings.target, self.directory / "model.onnx", cache,
+            method=context.method, accepts=accepts,
+        ))
+        result.timings.update(outcome.timings)
+        result.notes.extend(outcome.notes)
+        summary = self.shapes.to_json()
+        result.relations, result.bounds = summary["relations"], summary["bounds"]
+        result.dim_sources = {v.name: v.source for v in self.shapes.variables if v.axes}
+        result.dims = outcome.dims if outcome.ok else summary["dims"]
+        result.stage, result.cache_hit, result.onnx_path = outcome.stage, outcome.cache_hit, outcome.onnx_path
+        result.opset, result.op_counts = outcome.opset, outcome.op_counts
+        if outcome.example is not None:
+            result.inputs = [self.shapes.aligned.leaf_names[leaf] for leaf in outcome.example.inputs]
+        if not outcome.ok:
+            result.kind, result.reason, result.traceback = outcome.kind, outcome.reason, outcome.traceback
+            self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))
+        return outcome
+
+    def _runner(self, outcome: ExportOutcome) -> Runner:
+        result, target = self.result, self.context.settings.target
+        result.stage = "ort-load" if target == "onnx" else "verify"
+        begin = time.perf_counter()
+        runner = (
+            self.context.quiet(lambda: OnnxRunner(Path(outcome.onnx_path))) if target == "onnx"
+            else program_runner(outcome.program, self.shapes.aligned, constants=not outcome.bound)
+        )
+        result.timings[result.stage] = time.perf_counter() - begin
+        return runner
+
+    def _verify(self) -> bool:
+        """Run every call of the plan; ``False`` when the graph fails.  Calls that lacked an
+        argument of the graph and fail are split off instead."""
+        context, result = self.context, self.result
+        result.stage = "verify"
+        begin = time.perf_counter()
+        leaves = [self.shapes.call_leaves(i) for i in range(len(self.plan.calls))]
+        references = [context.references[c] for c in self.plan.calls]
+        found = context.quiet(lambda: verify_calls(self.runner, leaves, references, context.tolerance, self.layout))
+        padded = [d for d in found if d.n_padded]
+        if padded:
+            result.notes.append(
+                f"calls {[self.plan.calls[d.index] for d in padded]}: {sum(d.n_padded for d in padded)} values beyond "
+                f"tolerance only in cache entries at padded positions (max |Δ| {max(d.padded_max_abs for d in padded):.3g}), "
+                "which attention never reads: tolerated"
+            )
+        result.timings["verify"] = time.perf_counter() - begin
+        result.discrepancies = [d.to_json() | {"index": self.plan.calls[d.index]} for d in found]
+        result.max_abs = _finite_max(d.max_abs for d in found)
+        result.max_rel = _finite_max(d.max_rel for d in found)
+        stood_in = {i for i in range(len(self.plan.calls)) if None in self.shapes.aligned.calls[i]}
+        self.split = [self.plan.calls[d.index] for d in found if not d.ok and d.index in stood_in]
+        result.calls = [c for c in result.calls if c not in self.split]
+        bad = [d for d in found if not d.ok and d.index not in stood_in]
+        if not bad:
+            return True
+        worst = max(bad, key=lambda d: d.max_abs)
+        source = context.observations[self.plan.calls[worst.index]].source or "recorded call"
+        result.kind = worst.kind
+        result.reason = f"call {self.plan.calls[worst.index]} from {source}: {worst.detail or worst.kind}" + (
+            f", max |Δ| {worst.max_abs:.3g}" if worst.kind == "mismatch" else "")
+        self._repro(leaves[worst.index])
+        return False
+
+    def _variations(self) -> None:
+        """Generated shapes: a failure is kind ``variation`` with the smallest failing sizes."""
+        context, result = self.context, self.result
+        context.progress("variations" + (f" [{self.plan.name}]" if self.plan.name else ""))
+        result.stage = "variations"
+        begin = time.perf_counter()
+        variation = context.quiet(lambda: explore(
+            eager=context.eager(self.shapes), run=self.runner, shapes=self.shapes, tolerance=context.tolerance,
+            examples=context.examples, seed=context.settings.hypothesis_seed,
+            database_dir=self.directory / "hypothesis", outputs=self.layout,
+        ))
+        result.timings["variations"] = time.perf_counter() - begin
+        result.variations = variation.to_json()
+        if variation.tried and not variation.valid:
+            result.notes.append(
+                f"variations: eager rejected all {variation.tried} generated examples: the model relates "
+                "sizes that the shape model keeps independent (e.g. mask = seq + a constant past)"
+            )
+        if variation.failed:
+            result.kind = "variation"
+            sizes = ", ".join(f"{k}={v}" for k, v in variation.failing_sizes.items())
+            result.reason = f"fails at {sizes}: {variation.detail}"
+            self._repro(variation.failing_leaves)
+
+    def _repro(self, leaves: list[Any]) -> None:
+        """Write the self-contained repro of a failure; a failure to write it is only a note."""
+        result, context = self.result, self.context
+        try:
+            repro = write_repro(
+                self.directory / "repro", context.module, self.shapes, leaves, stage=result.stage,
+                target=context.settings.target, method=context.method,
+                atol=context.tolerance.atol, rtol=context.tolerance.rtol,
+            )
+        except Exception as e:  # a repro is a convenience: never let it hide the verdict
+            result.notes.append(f"no repro written: {type(e).__name__}: {e}")
+            return
+        result.repro_path = repro.path
+        if repro.note:
+            result.notes.append(repro.note)
+
+
+def _json_native(values: dict[str, Any]) -> dict[str, Any]:
+    """Constant arguments as JSON has them (strings for anything but numbers and booleans)."""
+    return {k: v if isinstance(v, (bool, int, float, str)) else repr(v) for k, v in values.items()}
+
+
+def _finite_max(values: Iterable[float]) -> float | None:
+    finite = [v for v in values if math.isfinite(v)]
+    return max(finite) if finite else None

@@ -1,0 +1,92 @@
+"""Which recorded calls one exported graph serves.
+
+A graph binds constant arguments and takes a fixed set of tensor arguments.  Calls are grouped by
+their constants and by the tensor arguments they pass that have no meaningful stand-in (see
+:mod:`..shapes.standins`): a call without ``labels`` cannot run on a graph that takes labels,
+but a call without ``attention_mask`` can (ones stand in).  Each group is one graph, taking every
+argument any of its calls passed.  When a stand-in does not reproduce a call after all, the
+engine splits such calls off into a graph of their own (:func:`split_off`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..observe.alignment import AlignedCalls
+from ..shapes.standins import stand_in_kind
+
+MAX_GRAPHS = 6  # graphs exported per model at most; calls left beyond are unverified
+
+
+@dataclass
+class GraphPlan:
+    """The calls (indices into the model's aligned calls) verified on one graph, the tensor
+    arguments it takes and the constant arguments it binds."""
+
+    calls: list[int]
+    slots: frozenset[str]
+    constants: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+
+
+def plan_graphs(aligned: AlignedCalls) -> list[GraphPlan]:
+    """One plan per group of calls sharing constants and arguments without stand-in, the group
+    with most calls first (then the one taking most arguments)."""
+    optional = stand_in_slots(aligned)
+    groups: dict[tuple[str, frozenset[str]], list[int]] = {}
+    for index in range(aligned.n_calls):
+        key = (repr(sorted(_constants(aligned, index).items())), aligned.present_slots(index) - optional)
+        groups.setdefault(key, []).append(index)
+    plans = [
+        GraphPlan(calls, frozenset().union(*(aligned.present_slots(i) for i in calls)), _constants(aligned, calls[0]))
+        for calls in groups.values()
+    ]
+    plans.sort(key=lambda p: (-len(p.calls), -len(p.slots)))
+    name_graphs(plans)
+    return plans
+
+
+def stand_in_slots(aligned: AlignedCalls) -> frozenset[str]:
+    """The tensor arguments an absent value of which has a known meaning."""
+    return frozenset(s.name for s in aligned.slots if not s.is_constant and stand_in_kind(aligned, s))
+
+
+def can_serve(aligned: AlignedCalls, slots: frozenset[str], index: int) -> bool:
+    """Whether a graph taking ``slots`` can run call ``index`` (absent arguments stood in)."""
+    present = aligned.present_slots(index)
+    return present <= slots and slots - present <= stand_in_slots(aligned)
+
+
+def split_off(aligned: AlignedCalls, plan: GraphPlan, calls: Iterable[int]) -> list[GraphPlan]:
+    """Plans for ``calls`` of ``plan`` that its stand-ins did not reproduce: one per set of
+    arguments they actually passed."""
+    groups: dict[frozenset[str], list[int]] = {}
+    for index in calls:
+        groups.setdefault(aligned.present_slots(index), []).append(index)
+    return [GraphPlan(indices, slots, dict(plan.constants)) for slots, indices in groups.items()]
+
+
+def name_graphs(plans: list[GraphPlan]) -> None:
+    """Name each plan by what sets it apart: ``with labels``, ``without past_key_values``,
+    ``use_cache=True``; a single plan has no name."""
+    if len(plans) < 2:
+        return
+    every = frozenset().union(*(p.slots for p in plans))
+    common = frozenset.intersection(*(p.slots for p in plans))
+    keys = {k for p in plans for k in p.constants}
+    varying = sorted(k for k in keys if len({repr(p.constants.get(k)) for p in plans}) > 1)
+    for plan in plans:
+        parts = [f"with {s}" for s in sorted(plan.slots - common)]
+        parts += [f"without {s}" for s in sorted(every - plan.slots)]
+        parts += [f"{k}={plan.constants[k]!r}" if k in plan.constants else f"{k} default" for k in varying]
+        plan.name = ", ".join(parts) or "default arguments"
+    names = [p.name for p in plans]
+    for plan in plans:
+        if names.count(plan.name) > 1:
+            plan.name += f" (calls {', '.join(map(str, plan.calls))})"
+
+
+def _constants(aligned: AlignedCalls, index: int) -> dict[str, Any]:
+    return dict(aligned.call_constants[index]) if aligned.call_constants is not None else {}

@@ -1,0 +1,157 @@
+"""torch.export with the shape model's named dims, and what to do with torch's suggested fixes.
+
+torch rejects named dims with "Constraints violated" and a list of suggested fixes.  Fixes that
+keep a dim dynamic are taken: an equality (``encoder_seq = seq``), a derived dim
+(``height = 2*_height``), a range (``seq <= 128``).  A fix making a dim a constant (``batch = 2``)
+is never taken for a dim a deployment needs: that is a :class:`Specialized` failure naming the
+dim, the constant and the user's line that forced it.  A guessed dim (a generic input's second
+axis) is made static instead, with a note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.text import first_line
+from ..shapes.model import ShapeModel
+from .domain import program_shapes, static_axes, upper_bounds
+from .watch import SpecializationWatch, watching
+
+MAX_ATTEMPTS = 4  # exports tried with refined dims before giving up on named dims
+_DEFERRED_ASSERTS = "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(torch.export.export).parameters
+Accepts = Callable[[str, int], bool]  # whether eager runs with a variable at a size
+
+
+class Specialized(Exception):
+    """torch.export made a dynamic dim a constant, or bounded it below sizes eager accepts."""
+
+    def __init__(self, shapes: ShapeModel, name: str, what: str, location: str):
+        var = next(v for v in shapes.variables if v.name == name)
+        axes = ", ".join(f"{shapes.aligned.leaf_names[leaf]}.{dim}" for leaf, dim in var.axes)
+        where = f" at {location}" if location else ""
+        super().__init__(f"{name} ({axes}, {_why(var.source)}) {what} by torch.export{where}")
+
+
+@dataclass
+class Example:
+    """The call an export traces: its flat leaves, ``(args, kwargs)`` as the exported module
+    takes them, and the leaves that are tensors (one graph input each, in order)."""
+
+    leaves: list[Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @property
+    def inputs(self) -> list[int]:
+        return [leaf for leaf, value in enumerate(self.leaves) if isinstance(value, torch.Tensor)]
+
+
+def trace(
+    module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, notes: list[str],
+    accepts: Accepts,
+) -> torch.export.ExportedProgram:
+    """``torch.export.export`` of ``module`` on the example with the shape model's named dims,
+    refined with torch's suggested fixes, captured as ``torch.onnx.export`` captures (see
+    :func:`capturing`).  A dim the program still has as a constant is checked like a suggested
+    constant; a demanded dim torch bounds above is a :class:`Specialized` failure when eager
+    ``accepts`` (variable name, size) the next size.  Raises it, or torch's error."""
+    with capturing(), watching() as watch:
+        program = _export(module, shapes, example, constants, watch, notes)
+        read = program_shapes(program)
+        for axis in static_axes(shapes, example.inputs, read):
+            _keep_static(shapes, {axis.variable.name: axis.value}, watch, notes)
+        for name, symbol, upper in upper_bounds(shapes, example.inputs, read, program.range_constraints):
+            if accepts(name, upper + 1):
+                what = f"bounded to at most {upper} (eager runs {name}={upper + 1})"
+                raise Specialized(shapes, name, what, watch.bound_location(symbol))
+        return program
+
+
+def _export(
+    module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, watch: SpecializationWatch,
+    notes: list[str],
+) -> torch.export.ExportedProgram:
+    """Named dims, refined until torch accepts them; else ``Dim.DYNAMIC`` and torch's ranges."""
+    named = shapes.to_dynamic_shapes(named=True, constants=constants)
+    for _ in range(MAX_ATTEMPTS):
+        try:
+            return _torch_export(module, example, named)
+        except torch._dynamo.exc.UserError as e:
+            if "Constraints violated" not in str(e):
+                raise
+            rejection = e
+        fixes = suggested_fixes(rejection.msg)
+        specialized = {name: int(value) for name, value in fixes if re.fullmatch(r"-?\d+", value)}
+        if specialized:
+            _keep_static(shapes, specialized, watch, notes)
+            named = shapes.to_dynamic_shapes(named=True, constants=constants)
+            continue
+        try:
+            named = torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(rejection.msg, named)
+        except Exception:  # no fix torch can apply itself (a stride-2 range, ...)
+            break
+        notes.append("named dims refined with torch's suggested fixes: " + "; ".join(f"{n} = {v}" for n, v in fixes))
+    notes.append(
+        f"torch.export rejected the named dims ({first_line(str(rejection))}): exported with "
+        "Dim.DYNAMIC dims, torch deriving their ranges"
+    )
+    return _torch_export(module, example, shapes.to_dynamic_shapes(constants=constants))
+
+
+def _torch_export(module: torch.nn.Module, example: Example, dynamic_shapes: Any) -> torch.export.ExportedProgram:
+    """torch.export as torch.onnx.export calls it: guards that can wait become runtime asserts
+    (a GRU's ``seq != 1`` does not stop its sequence from being dynamic)."""
+    options = {"prefer_deferred_runtime_asserts_over_guards": True} if _DEFERRED_ASSERTS else {}
+    return torch.export.export(module, example.args, example.kwargs, dynamic_shapes=dynamic_shapes, **options)
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """What ``torch.onnx.export`` enters around torch.export: size-oblivious sizes (0 and 1 are
+    not specialized) and, where this torch has them, the RNN decompositions into a while loop
+    that keep a GRU's or an LSTM's sequence dynamic."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.fx.experimental._config.patch(backed_size_oblivious=True))
+        try:
+            from torch.export import _patches
+        except ImportError:  # torch < 2.10
+            _patches = None
+        for name in ("register_gru_while_loop_decomposition", "register_lstm_while_loop_decomposition"):
+            if hasattr(_patches, name):
+                stack.enter_context(getattr(_patches, name)())
+        yield
+
+
+def suggested_fixes(message: str) -> list[tuple[str, str]]:
+    """The ``(name, expression)`` pairs torch suggests after 'Suggested fixes:'."""
+    text = message.partition("Suggested fixes:")[2]
+    pairs = [line.strip().partition("=") for line in text.splitlines() if "=" in line]
+    return [(name.strip(), value.strip()) for name, _, value in pairs if name.strip().isidentifier()]
+
+
+def _keep_static(shapes: ShapeModel, constants: dict[str, int], watch: SpecializationWatch, notes: list[str]) -> None:
+    """Make the guessed dims torch pins static; a demanded one raises :class:`Specialized`."""
+    for name, value in constants.items():
+        var = next((v for v in shapes.variables if v.name == name), None)
+        if var is None:
+            continue
+        inputs = sorted({shapes.aligned.leaf_slot(leaf).name for leaf, _ in var.axes})
+        location = watch.location_of(value, inputs)
+        if var.demanded:
+            raise Specialized(shapes, name, f"specialized to {value}", location)
+        shapes.drop(name)
+        notes.append(f"{name} kept static: torch.export specializes it to {value}" + (f" at {location}" if location else ""))
+
+
+def _why(source: str) -> str:
+    return {
+        "observed": "the tests vary it", "role": "a deployment varies it", "declared": "declared dynamic",
+        "forced": "set_batch_dimension_for",
+    }.get(source, source)

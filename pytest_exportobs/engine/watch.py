@@ -1,0 +1,124 @@
+"""Where torch.export turned a size into a constant: the user's source line behind each guard.
+
+torch's "Constraints violated" message names the dimension and the constant, not the code that
+forced it.  While tracing, torch logs each guard it adds and each symbol it replaces (logger
+``torch.fx.experimental.symbolic_shapes``, level INFO); the records are emitted synchronously
+where the guard is added, so the innermost frame of user code on the live stack is the line
+responsible.  :class:`SpecializationWatch` keeps, for every symbol replaced by an integer, that
+line and the input size the symbol stood for.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+LOGGER = "torch.fx.experimental.symbolic_shapes"
+PACKAGE_DIR = str(Path(__file__).parents[1])
+TORCH_DIR = str(Path(torch.__file__).parent)
+LOGGING_DIR = str(Path(logging.__file__).parent)
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """A symbol torch replaced by ``value``: the size it stands for (``L['x'].size()[0]``) and
+    the user code whose guard forced it (``file:line: code``, empty when none was seen)."""
+
+    symbol: str
+    value: int
+    source: str
+    location: str
+
+
+class SpecializationWatch(logging.Handler):
+    """A logging handler collecting :class:`Specialization` records (use :func:`watching`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.sources: dict[str, str] = {}  # symbol -> the size it was created for
+        self.guards: dict[str, list[tuple[str, str]]] = {}  # symbol -> (guard, user line), in order
+        self.found: list[Specialization] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message, args = str(record.msg), record.args or ()
+        if message.startswith("create_symbol") and len(args) >= 3:
+            self.sources[str(args[0])] = str(args[2])
+        elif "[guard added]" in message and len(args) >= 2:
+            location = _user_location()
+            if location:
+                for symbol in self.sources:
+                    if _mentions(str(args[1]), symbol):
+                        self.guards.setdefault(symbol, []).append((str(args[1]), location))
+        elif message.startswith("set_replacement") and len(args) >= 2 and _is_integer(args[1]):
+            symbol = str(args[0])
+            last = self.guards.get(symbol, [("", "")])[-1][1]
+            self.found.append(Specialization(symbol, int(args[1]), self.sources.get(symbol, ""), last or _user_location()))
+
+    def bound_location(self, symbol: str) -> str:
+        """The user line of the first inequality guard on ``symbol`` (what bounded it)."""
+        return next((line for guard, line in self.guards.get(symbol, []) if "<" in guard or ">" in guard), "")
+
+    def location_of(self, value: int, input_names: list[str]) -> str:
+        """The user line that made a size of one of ``input_names`` the constant ``value``."""
+        matching = [s for s in self.found if s.value == value and s.location]
+        named = [s for s in matching if any(f"['{name}']" in s.source for name in input_names)]
+        return (named or matching)[0].location if (named or matching) else ""
+
+
+@contextmanager
+def watching() -> Iterator[SpecializationWatch]:
+    """Collect specializations while the block traces.  The logger's INFO records go to the
+    watch alone (not to torch's console handler, nor pytest's): its handlers, level and
+    propagation are restored after."""
+    logger = logging.getLogger(LOGGER)
+    watch = SpecializationWatch()
+    saved = logger.handlers, logger.level, logger.propagate
+    logger.handlers, logger.propagate = [watch], False
+    logger.setLevel(min(logging.INFO, logger.getEffectiveLevel()))
+    try:
+        yield watch
+    finally:
+        logger.handlers, logger.propagate = saved[0], saved[2]
+        logger.setLevel(saved[1])
+
+
+def _user_location() -> str:
+    """``file:line: code`` of the innermost frame outside torch, site-packages, logging and this
+    package (frames walked by hand: formatting the whole stack per guard would be slow)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith((TORCH_DIR, PACKAGE_DIR, LOGGING_DIR, "<")) or "site-packages" in name):
+            line = linecache.getline(name, frame.f_lineno).strip()
+            try:
+                shown = os.path.relpath(name)
+            except ValueError:
+                shown = name
+            return f"{shown}:{frame.f_lineno}" + (f": {line}" if line else "")
+        frame = frame.f_back
+    return ""
+
+
+def _mentions(expression: str, symbol: str) -> bool:
+    """Whether ``symbol`` (``s12``) occurs in ``expression`` as a whole name (not ``s123``)."""
+    start = expression.find(symbol)
+    while start >= 0:
+        end = start + len(symbol)
+        before = expression[start - 1] if start else " "
+        after = expression[end] if end < len(expression) else " "
+        if not (before.isalnum() or before == "_") and not (after.isalnum() or after == "_"):
+            return True
+        start = expression.find(symbol, end)
+    return False
+
+
+def _is_integer(value: object) -> bool:
+    return bool(getattr(value, "is_Integer", False)) or isinstance(value, int)

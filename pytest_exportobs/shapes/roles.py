@@ -1,0 +1,161 @@
+"""The role of an input axis, from the input's name, its place in a cache and its layout.
+
+A role names what an axis means (``batch``, ``seq``, ``past_seq``...).  Demanded roles make an
+axis dynamic even when the tests never varied it: a deployed model meets other batch sizes,
+sequence, cache and encoder lengths.  Other roles only keep axes apart (an image's height and
+width) or are guesses on inputs with generic names (``x`` of shape ``(batch, seq, hidden)``),
+whose dims a failed export may keep static instead of failing the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree
+
+from ..core.trees import spec_children
+from ..observe.alignment import AlignedCalls
+from .dims import Axis
+
+DEMANDED = ("batch", "seq", "past_seq", "total_seq", "encoder_seq", "frames")
+CACHE_SLOTS = ("past_key_values", "cache", "past", "past_key_value", "cache_params")
+# caches whose length is their fixed allocation (max_cache_len), not the past sequence
+STATIC_CACHES = ("StaticCache", "HybridCache", "SlidingWindowCache", "HybridChunkedCache", "OffloadedStaticCache")
+ENCODER_DECODER_SLOTS = (
+    "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask", "encoder_outputs",
+    "encoder_hidden_states",
+)
+# name -> {axis: role}; "text" stands for seq in a decoder and encoder_seq in an encoder-decoder
+KNOWN_INPUTS: dict[str, dict[int, str]] = {
+    "input_ids": {0: "batch", 1: "text"},
+    "inputs_embeds": {0: "batch", 1: "text"},
+    "token_type_ids": {0: "batch", 1: "text"},
+    "position_ids": {0: "batch", 1: "seq"},
+    "attention_mask": {0: "batch", 1: "mask"},
+    "labels": {0: "batch", 1: "seq"},
+    "decoder_input_ids": {0: "batch", 1: "seq"},
+    "decoder_inputs_embeds": {0: "batch", 1: "seq"},
+    "decoder_position_ids": {0: "batch", 1: "seq"},
+    "decoder_attention_mask": {0: "batch", 1: "decoder_mask"},
+    "encoder_outputs": {0: "batch", 1: "encoder_seq"},
+    "encoder_hidden_states": {0: "batch", 1: "encoder_seq"},
+    "encoder_attention_mask": {0: "batch", 1: "encoder_seq"},
+    "cache_position": {0: "seq"},
+    "pixel_values": {0: "batch", 2: "height", 3: "width"},
+    "pixel_mask": {0: "batch", 1: "height", 2: "width"},
+    "input_features": {0: "batch", 2: "frames"},
+    "input_values": {0: "batch", 1: "frames"},
+}
+
+
+@dataclass(frozen=True)
+class Role:
+    """What an axis means; ``demanded``: dynamic by default."""
+
+    name: str
+    demanded: bool = True
+
+
+def axis_roles(aligned: AlignedCalls, generic: bool = True) -> dict[Axis, Role]:
+    """The role of every axis that has one; ``generic`` adds the guesses on inputs with other
+    names than transformers' (see :func:`_generic_roles`)."""
+    encoder_decoder = _is_encoder_decoder(aligned)
+    has_self_cache = any(cache_kind(aligned, leaf) == "self" for leaf in range(len(aligned.leaf_names)))
+    roles: dict[Axis, Role] = {}
+    for leaf in range(len(aligned.leaf_names)):
+        roles.update(_known_roles(aligned, leaf, encoder_decoder, has_self_cache))
+    if generic:
+        roles.update(_generic_roles(aligned, roles))
+    return roles
+
+
+def _known_roles(aligned: AlignedCalls, leaf: int, encoder_decoder: bool, has_self_cache: bool) -> dict[Axis, Role]:
+    rank = _rank(aligned, leaf)
+    cache = cache_kind(aligned, leaf)
+    if cache is not None:
+        length = {"self": "past_seq", "cross": "encoder_seq", "static": None}[cache]
+        axes = {0: "batch", 2: length} if rank == 4 else {0: "batch"}
+        return {(leaf, dim): Role(name) for dim, name in axes.items() if name}
+    slot = aligned.leaf_slot(leaf).name
+    spelled = {
+        "text": "encoder_seq" if encoder_decoder else "seq",
+        "mask": "encoder_seq" if encoder_decoder else ("total_seq" if has_self_cache else "seq"),
+        "decoder_mask": "total_seq" if has_self_cache else "seq",
+    }
+    known = KNOWN_INPUTS.get(slot, {})
+    return {(leaf, dim): Role(spelled.get(name, name), name not in ("height", "width")) for dim, name in known.items() if dim < rank}
+
+
+def _generic_roles(aligned: AlignedCalls, known: dict[Axis, Role]) -> dict[Axis, Role]:
+    """Guesses for inputs with other names: dim 0 is the batch when it agrees with the batch of
+    the other inputs; token ids and masks ``(batch, seq)``; features ``(batch, seq, hidden)``
+    (a soft guess); images ``(batch, channels, height, width)``."""
+    generic = [
+        leaf for leaf in range(len(aligned.leaf_names))
+        if aligned.is_tensor_leaf(leaf) and not any(axis[0] == leaf for axis in known) and _rank(aligned, leaf) >= 2
+    ]
+    batch = _batch_sizes(aligned, [axis for axis, role in known.items() if role.name == "batch"] or
+                         [(leaf, 0) for leaf in generic[:1]])
+    roles: dict[Axis, Role] = {}
+    for leaf in generic:
+        if batch is None or not _agrees(aligned, (leaf, 0), batch):
+            continue
+        roles[(leaf, 0)] = Role("batch")
+        rank, dtype = _rank(aligned, leaf), aligned.reference_tensor(leaf).dtype
+        if rank == 2 and not dtype.is_floating_point:
+            roles[(leaf, 1)] = Role("seq")
+        elif rank == 3 and dtype.is_floating_point:
+            roles[(leaf, 1)] = Role("seq", demanded=False)
+        elif rank == 4 and dtype.is_floating_point:
+            roles[(leaf, 2)], roles[(leaf, 3)] = Role("height", False), Role("width", False)
+    return roles
+
+
+def _batch_sizes(aligned: AlignedCalls, axes: list[Axis]) -> list[int | None] | None:
+    """The batch size of every call (``None`` where no batch axis is present), if the axes agree."""
+    sizes: list[int | None] = []
+    for call in aligned.calls:
+        seen = {call[leaf].shape[dim] for leaf, dim in axes if isinstance(call[leaf], torch.Tensor)}
+        if len(seen) > 1:
+            return None
+        sizes.append(seen.pop() if seen else None)
+    return sizes if any(s is not None for s in sizes) else None
+
+
+def _agrees(aligned: AlignedCalls, axis: Axis, batch: list[int | None]) -> bool:
+    leaf, dim = axis
+    common = [
+        (call[leaf].shape[dim], size) for call, size in zip(aligned.calls, batch)
+        if isinstance(call[leaf], torch.Tensor) and size is not None
+    ]
+    return bool(common) and all(a == b for a, b in common)
+
+
+def _rank(aligned: AlignedCalls, leaf: int) -> int:
+    return aligned.reference_tensor(leaf).dim() if aligned.is_tensor_leaf(leaf) else 0
+
+
+def cache_kind(aligned: AlignedCalls, leaf: int) -> str | None:
+    """``self``, ``cross`` or ``static`` for a tensor inside a cache argument, else ``None``."""
+    slot = aligned.leaf_slot(leaf)
+    name = aligned.leaf_names[leaf]
+    types = _spec_types(slot.spec)
+    if name == slot.name or not (slot.name in CACHE_SLOTS or any("Cache" in t for t in types)):
+        return None
+    if "cross" in name:
+        return "cross"
+    return "static" if set(STATIC_CACHES) & set(types) else "self"
+
+
+def _spec_types(spec: _pytree.TreeSpec | None) -> list[str]:
+    """Names of the container classes of a pytree spec (``DynamicCache``, ``dict``...)."""
+    if spec is None or spec.is_leaf():
+        return []
+    return [spec.type.__name__, *(name for child in spec_children(spec) for name in _spec_types(child))]
+
+
+def _is_encoder_decoder(aligned: AlignedCalls) -> bool:
+    return any(slot.name in ENCODER_DECODER_SLOTS for slot in aligned.slots) or any(
+        "cross" in name for name in aligned.leaf_names
+    )

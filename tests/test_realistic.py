@@ -1,0 +1,114 @@
+"""The verdict on a realistic suite (tests/realistic/, written as ML engineers write tests): every
+model's outcome in junitxml equals the expert's (tests/realistic/expectations.py), and every
+ONNX graph of a passing model serves deployment inputs the tests never used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils import _pytree
+
+REALISTIC = Path(__file__).parent / "realistic"
+sys.path.insert(0, str(REALISTIC))
+expectations = importlib.import_module("expectations")
+sys.path.remove(str(REALISTIC))
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The realistic project run once with the export check: junitxml outcomes (the testcases of
+    class ``exportobs``, one per model) and the JSON report."""
+    project = tmp_path_factory.mktemp("realistic")
+    shutil.copytree(REALISTIC, project, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".exportobs", "__pycache__"))
+    command = [
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--export-check", "--junitxml=junit.xml",
+        "--export-report=report.json", "-q",
+    ]
+    completed = subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=1800)
+    report = json.loads((project / "report.json").read_text())
+    sys.path.insert(0, str(project))
+    yield {
+        "outcomes": junit_outcomes(project / "junit.xml"), "models": {m["name"]: m for m in report["models"]},
+        "stdout": completed.stdout, "project": project,
+    }
+    sys.path.remove(str(project))
+
+
+def junit_outcomes(path: Path) -> dict[str, str]:
+    outcomes = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        if case.get("classname") == "exportobs":
+            failed = case.find("failure") is not None or case.find("error") is not None
+            outcomes[case.get("name")] = "failed" if failed else "skipped" if case.find("skipped") is not None else "passed"
+    return outcomes
+
+
+@pytest.mark.parametrize("name", sorted(expectations.EXPECTED))
+def test_verdict_is_the_experts(session: dict[str, Any], name: str) -> None:
+    expected, model = expectations.EXPECTED[name], session["models"][name]
+    assert session["outcomes"][name] == expected.verdict, model["reason"]
+    assert (model["verdict"], model["stage"] if expected.stage else "", model["kind"]) == (
+        expected.verdict, expected.stage, expected.kind)
+    for graph in model["graphs"]:
+        taken = set(graph["inputs"])
+        missing = {
+            leaf: sorted(set(axes) - {int(a) for a in graph["dims"].get(leaf, {})})
+            for leaf, axes in expected.dynamic.items() if leaf in taken
+        }
+        assert {leaf: axes for leaf, axes in missing.items() if axes} == {}, graph["name"]
+    assert set(expected.relations) <= set(model["relations"])
+
+
+def test_every_observed_model_is_expected(session: dict[str, Any]) -> None:
+    assert sorted(session["models"]) == sorted(expectations.EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(expectations.HELD_OUT))
+def test_passing_graphs_serve_held_out_inputs(session: dict[str, Any], name: str) -> None:
+    model_result = session["models"][name]
+    if model_result["verdict"] != "passed":
+        pytest.fail(f"{name} did not pass: {model_result['reason']}")
+    model = expectations.BUILDERS[name]()
+    from pytest_exportobs import register_flattening_functions
+
+    with register_flattening_functions(), torch.no_grad():
+        for call in expectations.HELD_OUT[name](model):
+            names, tensors = flat_inputs(call)
+            graph = next((g for g in model_result["graphs"] if sorted(g["inputs"]) == sorted(names)), None)
+            assert graph is not None, f"no graph takes {names}: {[g['inputs'] for g in model_result['graphs']]}"
+            outputs = model(**_pytree.tree_map(_copy, call), **graph["constants"])
+            expected = [t for t in _pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+            actual = run_onnx(session["project"] / graph["onnx_path"], dict(zip(names, tensors)), graph["inputs"])
+            assert len(actual) == len(expected)
+            for got, ref in zip(actual, expected):
+                torch.testing.assert_close(torch.from_numpy(got), ref, atol=1e-4, rtol=1e-3)
+
+
+def flat_inputs(call: dict[str, Any]) -> tuple[list[str], list[torch.Tensor]]:
+    """Leaf names as the plugin spells them (``past_key_values.key_0``) and the tensors."""
+    paths, _ = _pytree.tree_flatten_with_path(call)
+    names = [".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path) for path, _ in paths]
+    return names, [value for _, value in paths]
+
+
+def run_onnx(path: Path, feeds: dict[str, torch.Tensor], order: list[str]) -> list[Any]:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    inputs = [i.name for i in session.get_inputs()]
+    return session.run(None, {onnx: feeds[leaf].numpy() for onnx, leaf in zip(inputs, order)})
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
