@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 
 _PUBLIC = {  # public name -> module defining it
     "InputObserver": "api.observer",
+    "ObserverError": "api.errors",
+    "ObserverIndexError": "api.errors",
     "Observation": "observe.recorder",
     "string_type": "core.strings",
     "register_flattening_functions": "core.pytrees",
