@@ -252,3 +252,111 @@ def test_dim_names_llm_spells_our_roles_as_llm_runtimes_do() -> None:
     )
     named = observer.infer_dynamic_shapes(dim_names=True)  # ours: shared torch.export.Dim objects
     assert [d.__name__ for d in (*named[0].values(), *named[1].values())] == ["batch", "seq", "batch", "total_seq"]
+
+
+# -- onnx-diagnostic: ModelInputs, all_dynamic_shape_from_inputs, use_dyn_not_str ------------------
+
+
+@pytest.fixture
+def make_dynamic_cache():
+    pytest.importorskip("transformers")
+    from pytest_exportobs import make_dynamic_cache
+
+    return make_dynamic_cache
+
+
+def test_model_inputs_without_inputs_or_with_one_set() -> None:
+    from pytest_exportobs import ModelInputs
+
+    assert ModelInputs(Add(), []).guess_dynamic_shapes() == ((), {})
+    x, y = torch.randn(5, 6), torch.randn(1, 6)
+    inputs = ModelInputs(Add(), [(x, y)])
+    assert string_type(inputs.inputs, with_shape=True) == "#1[((T1s5x6,T1s1x6),{})]"
+    assert inputs.guess_dynamic_shapes() == (({}, {}), {})
+    assert inputs.guess_dynamic_shapes(auto=True) == (({0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO},) * 2, {})
+    assert (inputs.full_name, inputs.module_name_type) == ("main:Add", "type(main)=Add")
+
+
+@pytest.mark.parametrize("bad", [{}, [[]], "x"], ids=["dict", "list-in-list", "str"])
+def test_model_inputs_of_a_wrong_type_are_a_value_error(bad) -> None:
+    from pytest_exportobs import ModelInputs
+
+    with pytest.raises(ValueError):
+        ModelInputs(Add(), bad)
+
+
+def test_model_inputs_args_and_kwargs() -> None:
+    from pytest_exportobs import ModelInputs
+
+    inputs = [((torch.randn(5, 6),), dict(y=torch.randn(1, 6))), ((torch.randn(7, 8),), dict(y=torch.randn(1, 8)))]
+    assert ModelInputs(Add(), inputs).guess_dynamic_shapes() == (({0: DYN, 1: DYN},), {"y": {1: DYN}})
+
+
+def test_model_inputs_for_star_kwargs_nest_under_kwargs_once_moved() -> None:
+    from pytest_exportobs import ModelInputs
+
+    class Model(torch.nn.Module):
+        def forward(self, **kwargs):
+            return kwargs["x"].abs()
+
+    inputs = ModelInputs(Model(), [((), {"x": torch.randn(5, 6)}), ((), {"x": torch.randn(6, 6)})])
+    shapes = inputs.guess_dynamic_shapes()
+    assert shapes == ((), {"x": {0: DYN}})
+    args, kwargs, moved = inputs.move_to_kwargs(*inputs.inputs[0], shapes)
+    assert (args, list(kwargs), moved) == ((), ["x"], ((), {"kwargs": {"x": {0: DYN}}}))
+    from pytest_exportobs import export_patches
+
+    with export_patches():  # torch 2.13 rejects the nested ``kwargs`` shapes without it
+        program = torch.export.export(Model(), args, kwargs=kwargs, dynamic_shapes=moved[1])
+    assert program.module()(x=torch.randn(9, 6)).shape == (9, 6)
+
+
+def test_model_inputs_from_the_inputs_alone_with_caches_and_no_registration(make_dynamic_cache) -> None:
+    from pytest_exportobs import ModelInputs
+
+    def step(past: int, with_cache: bool = True) -> dict[str, Any]:
+        cache = make_dynamic_cache([(torch.rand(1, 1, past, 96), torch.rand(1, 1, past, 96))])
+        return dict(cache_position=torch.arange(past and 1 or 8), input_ids=torch.randint(10, size=(1, past and 1 or 8)),
+                    **(dict(past_key_values=cache) if with_cache else {}),
+                    attention_mask=torch.ones((1, (past or 7) + 1), dtype=torch.int64))
+
+    shapes = ModelInputs(None, [((), step(0, with_cache=False)), ((), step(8)), ((), step(9))]).guess_dynamic_shapes()
+    assert shapes == ((), {"cache_position": {0: DYN}, "input_ids": {1: DYN},
+                           "past_key_values": [{2: DYN}, {2: DYN}], "attention_mask": {1: DYN}})
+    assert list(shapes[1]) == ["cache_position", "input_ids", "past_key_values", "attention_mask"]
+
+
+def test_model_inputs_of_caches_whose_keys_and_values_differ(make_dynamic_cache) -> None:
+    from pytest_exportobs import ModelInputs
+
+    class Model(torch.nn.Module):
+        def forward(self, cache=None):
+            return cache
+
+    cache = make_dynamic_cache([(torch.randn(2, 3, 5, 6), torch.randn(2, 3, 5, 6))] * 2)
+    other = make_dynamic_cache([(torch.randn(2, 3, 1, 6), torch.randn(2, 3, 6, 6))] * 2)
+    expected = ((), {"cache": [{2: DYN}] * 4})
+    assert ModelInputs(Model(), [dict(cache=cache), dict(cache=other)]).guess_dynamic_shapes() == expected
+    assert ModelInputs(None, [{}, dict(cache=cache), dict(cache=other)]).guess_dynamic_shapes() == expected
+
+
+def test_all_dynamic_shapes_of_tensors_and_caches_without_registration(make_dynamic_cache) -> None:
+    from pytest_exportobs import all_dynamic_shape_from_inputs
+
+    assert all_dynamic_shape_from_inputs((torch.randn(5, 6), 3, torch.randn(1, 6))) == (
+        {0: "d_0_0", 1: "d_0_1"}, None, {0: "d_1_0", 1: "d_1_1"},
+    )
+    cache = make_dynamic_cache([(torch.ones(2, 2), torch.ones(2, 2) * 2)])
+    assert all_dynamic_shape_from_inputs(cache) == [{0: "d_0_0", 1: "d_0_1"}, {0: "d_1_0", 1: "d_1_1"}]
+    auto = torch.export.Dim.AUTO
+    assert all_dynamic_shape_from_inputs([torch.randn(5, 6)], dim_prefix=auto) == [{0: auto, 1: auto}]
+    assert all_dynamic_shape_from_inputs(cache, dim_prefix=DYN) == [{0: DYN, 1: DYN}] * 2
+
+
+def test_use_dyn_not_str_makes_string_dims_dynamic() -> None:
+    from pytest_exportobs import use_dyn_not_str
+
+    batch = torch.export.Dim("batch")
+    shapes = dict(input_ids={0: batch, 1: "seq"}, past_key_values=[{0: "batch", 2: "past"}], flag=None)
+    assert use_dyn_not_str(shapes) == dict(input_ids={0: batch, 1: DYN}, past_key_values=[{0: DYN, 2: DYN}], flag=None)
+    assert use_dyn_not_str(({0: "b"},), torch.export.Dim.AUTO) == ({0: torch.export.Dim.AUTO},)
