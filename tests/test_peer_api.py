@@ -144,6 +144,64 @@ def test_an_index_out_of_range_is_also_a_runtime_error() -> None:
         observer.infer_arguments(1)
 
 
+def test_a_positional_none_and_value_if_missing_by_position() -> None:
+    class Model(torch.nn.Module):
+        def forward(self, input_ids=None, pixel_values=None, attention_mask=None, past_key_values=None):
+            return input_ids
+
+    ones = lambda *shape: torch.ones(shape, dtype=torch.int64)  # noqa: E731
+    calls = [((ones(1, 28), ones(1, 3, 112, 112), ones(1, 28)), {})] + [
+        ((ones(1, 1), None, ones(1, past + 1), torch.rand(1, 1, past, 32)), {}) for past in (28, 29)
+    ]
+    observer = observe(Model(), calls, InputObserver(value_if_missing={1: torch.empty((0, 3, 112, 112), dtype=torch.int64)}))
+    assert observer.infer_dynamic_shapes(set_batch_dimension_for=True) == (
+        {0: DYN, 1: DYN}, {0: DYN}, {0: DYN, 1: DYN}, {0: DYN, 2: DYN},
+    )
+    assert shapes_of(observer.infer_arguments()) == "(T7s1x1,T7s0x3x112x112,T7s1x29,T1s1x1x28x32)"
+
+
+def test_a_registered_custom_class_flattens_to_a_list() -> None:
+    from torch.utils import _pytree
+
+    class Pairs:
+        def __init__(self, keys, values):
+            self.data = list(zip(keys, values))
+
+    def flatten(pairs):
+        return [t for pair in pairs.data for t in pair], [f"{k}_{i}" for i in range(len(pairs.data)) for k in "kv"]
+
+    class Model(torch.nn.Module):
+        def forward(self, x, custom=None):
+            return x if custom is None else x + sum(a + b for a, b in custom.data)
+
+    def pairs(n: int) -> Pairs:
+        return Pairs([torch.randn(n - 1, n), torch.randn(1, n)], [torch.randn(1, n), torch.randn(n - 1, n)])
+
+    def flatten_with_keys(pairs):
+        leaves, names = flatten(pairs)
+        return [(_pytree.MappingKey(n), t) for n, t in zip(names, leaves)], names
+
+    _pytree.register_pytree_node(
+        Pairs, flatten, lambda leaves, _: Pairs(leaves[::2], leaves[1::2]), flatten_with_keys_fn=flatten_with_keys
+    )
+    try:
+        observer = observe(Model(), [((torch.randn(5, 6),), {}), ((torch.randn(6, 7), pairs(7)), {}),
+                                     ((torch.randn(7, 8), pairs(8)), {})])
+        assert observer.infer_dynamic_shapes() == (
+            {0: DYN, 1: DYN}, [{0: DYN, 1: DYN}, {1: DYN}, {1: DYN}, {0: DYN, 1: DYN}],
+        )
+    finally:
+        _pytree._deregister_pytree_node(Pairs)
+
+
+def test_calls_mixing_positional_and_keyword_arguments_are_inferred_where_the_peers_refuse() -> None:
+    calls = [((), dict(y=torch.randn(5, 6))), ((torch.randn(5, 7), torch.randn(5, 7)), {}),
+             ((), dict(y=torch.randn(5, 8))), ((torch.randn(5, 9), torch.randn(5, 9)), {})]
+    observer = observe(TwoOptional(), calls, store_n_calls=4)
+    assert observer.infer_dynamic_shapes() == {"x": {1: DYN}, "y": {1: DYN}}  # torch: RuntimeError
+    assert shapes_of(observer.infer_arguments()) == "dict(x:T1s5x7,y:T1s5x7)"
+
+
 # -- no call has every input ---------------------------------------------------------------------
 
 
