@@ -96,6 +96,7 @@ def test_infer_arguments_by_index_fills_an_absent_input_with_an_empty_tensor() -
     observer = observe(TwoOptional(), calls)
     assert observer.infer_dynamic_shapes() == ({0: DYN, 1: DYN}, {1: DYN})
     assert shapes_of(observer.infer_arguments(0)) == "(T1s5x6,T1s1x0)"
+    assert shapes_of(observer.infer_arguments(index=0)) == "(T1s5x6,T1s1x0)"  # the seed's keyword
     assert shapes_of(observer.infer_arguments(0, flat=True)) == "#2[T1s5x6,T1s1x0]"
 
 
@@ -308,6 +309,8 @@ def test_dim_names_llm_spells_our_roles_as_llm_runtimes_do() -> None:
     assert observer.infer_dynamic_shapes(dim_names="llm") == (
         {0: "batch_size", 1: "sequence_length"}, {0: "batch_size", 1: "total_sequence_length"},
     )
+    with pytest.raises(ValueError, match="dim_names='long': expected None, True, 'llm' or a dict"):
+        observer.infer_dynamic_shapes(dim_names="long")
     named = observer.infer_dynamic_shapes(dim_names=True)  # ours: shared torch.export.Dim objects
     assert [d.__name__ for d in (*named[0].values(), *named[1].values())] == ["batch", "seq", "batch", "total_seq"]
 
@@ -418,3 +421,28 @@ def test_use_dyn_not_str_makes_string_dims_dynamic() -> None:
     shapes = dict(input_ids={0: batch, 1: "seq"}, past_key_values=[{0: "batch", 2: "past"}], flag=None)
     assert use_dyn_not_str(shapes) == dict(input_ids={0: batch, 1: DYN}, past_key_values=[{0: DYN, 2: DYN}], flag=None)
     assert use_dyn_not_str(({0: "b"},), torch.export.Dim.AUTO) == ({0: torch.export.Dim.AUTO},)
+
+
+def test_model_inputs_auto_string_names_dims_after_their_place(make_dynamic_cache) -> None:
+    from pytest_exportobs import ModelInputs
+
+    class Model(torch.nn.Module):
+        def forward(self, cache, z):
+            return z
+
+    def cache(batch: int, seq: int, dim: int) -> Any:
+        return make_dynamic_cache([(torch.randn(2, 4, 3, 7), torch.randn(batch, 4, seq, dim))] * 2)
+
+    inputs = [(cache(2, 3, 7), torch.randn(1, 1, 1, 7)), (cache(3, 4, 8), torch.randn(1, 1, 1, 8))]
+    assert ModelInputs(Model(), inputs).guess_dynamic_shapes(auto="dim") == (
+        (
+            [{}, {0: "dim_0I_1o0", 2: "dim_0I_1o2", 3: "dim_0I_1o3"},
+             {}, {0: "dim_0I_3o0", 2: "dim_0I_3o2", 3: "dim_0I_3o3"}],
+            {3: "dim_1I3"},
+        ),
+        {},
+    )
+    keywords = [dict(b=torch.randn(2, n), a=(torch.randn(n),)) for n in (3, 4)]
+    assert ModelInputs(None, keywords).guess_dynamic_shapes(auto="dd") == (
+        (), {"b": {1: "dd_1I1"}, "a": ({0: "dd_0I_0t0"},)},
+    )

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-from ..core.trees import flattening_context, spec_structure
-from ..observe.alignment import align_calls
+from ..core.trees import flattening_context, spec_children, spec_structure
+from ..observe.alignment import AlignedCalls, align_calls
 from ..shapes.model import ShapeModel
 from .dim_names import map_axes
 
@@ -57,24 +57,28 @@ class ModelInputs:
         method = "" if self.method_name == "forward" else f".{self.method_name}"
         return f"type({self.name})={self.true_model_name}{method}"
 
-    def guess_dynamic_shapes(self, auto: bool = False) -> DynamicShapes:
+    def guess_dynamic_shapes(self, auto: bool | str = False) -> DynamicShapes:
         """``(args_ds, kwargs_ds)``: ``Dim.DYNAMIC`` for every dimension that varies across the
         sets, ``{}`` for a tensor none of whose dimensions vary, ``((), {})`` without inputs.
 
-        ``auto=True`` puts ``Dim.AUTO`` instead, on every dimension when there is one set.
+        ``auto=True`` puts ``Dim.AUTO`` instead, on every dimension when there is one set;
+        a string names every dynamic dimension after its place, as onnx-diagnostic does:
+        ``<auto>_<i>I`` for argument i (positional ones, then keywords by name), ``_<j>t``,
+        ``_<j>l``, ``_<key>d``, ``_<j>o`` for the j-th item of a tuple, list, dict or other
+        class (a cache), then the axis: ``dim_0I_1o2``.
         """
-        if isinstance(auto, str):
-            raise ValueError("auto must be a bool: string names are not supported, use ShapeModel names")
         if not self.inputs:
             return (), {}
         with flattening_context():
             aligned = align_calls(self.inputs, self.signature)
-            shapes = ShapeModel.from_aligned(aligned)
-            hint = torch.export.Dim.AUTO if auto else torch.export.Dim.DYNAMIC
-            flat = [dict.fromkeys(axes, hint) for axes in shapes.leaf_axes()]
-            if auto and len(self.inputs) == 1:
-                flat = [dict.fromkeys(range(t.dim()), hint) if isinstance(t, torch.Tensor) else {}
+            axes = ShapeModel.from_aligned(aligned).leaf_axes()
+            if isinstance(auto, str):
+                flat = _place_names(aligned, axes, auto)
+            elif auto and len(self.inputs) == 1:
+                flat = [dict.fromkeys(range(t.dim()), torch.export.Dim.AUTO) if isinstance(t, torch.Tensor) else {}
                         for t in aligned.calls[0]]
+            else:
+                flat = [dict.fromkeys(a, torch.export.Dim.AUTO if auto else torch.export.Dim.DYNAMIC) for a in axes]
             by_name = {
                 slot.name: None if slot.is_constant else spec_structure(slot.spec, iter(flat[slot.start : slot.stop]))
                 for slot in aligned.slots
@@ -132,6 +136,31 @@ def use_dyn_not_str(dynamic_shapes: Any, default_value: Any = None) -> Any:
     ``torch.export.export`` takes."""
     value = torch.export.Dim.DYNAMIC if default_value is None else default_value
     return map_axes(dynamic_shapes, lambda axes: {d: value if isinstance(v, str) else v for d, v in axes.items()})
+
+
+def _place_names(aligned: AlignedCalls, axes: list[dict[int, str]], prefix: str) -> list[dict[int, str]]:
+    """onnx-diagnostic's names of the dynamic axes of every flat leaf (see ``guess_dynamic_shapes``)."""
+    slots = [s for s in aligned.slots if not s.is_constant]
+    positional = [s for s in slots if aligned.positional or s.var_positional]
+    keywords = sorted((s for s in slots if s not in positional), key=lambda s: s.name)
+    places: dict[int, str] = {}
+    for group in (positional, keywords):
+        for i, slot in enumerate(group):
+            for offset, place in enumerate(_leaf_places(slot.spec, f"{prefix}_{i}I")):
+                places[slot.start + offset] = place
+    return [{d: f"{places[leaf]}{d}" for d in leaf_axes} for leaf, leaf_axes in enumerate(axes)]
+
+
+def _leaf_places(spec: _pytree.TreeSpec, place: str) -> list[str]:
+    """The place of every leaf under ``spec``, suffixed as onnx-diagnostic suffixes them."""
+    if spec.is_leaf():
+        return [place]
+    kind = {tuple: "t", list: "l", dict: "d"}.get(spec.type, "o")
+    return [
+        leaf_place
+        for j, child in enumerate(spec_children(spec))
+        for leaf_place in _leaf_places(child, f"{place}_{spec.context[j] if kind == 'd' else j}{kind}")
+    ]
 
 
 def _as_call(inputs: Any, index: int) -> Call:

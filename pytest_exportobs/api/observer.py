@@ -75,6 +75,8 @@ class InputObserver(CallRecorder):
         * ``{input name or position: {axis: name}}`` (yobx): those names as strings, any
           other dynamic axis ``<input>_dim_<axis>``.
         """
+        if isinstance(dim_names, str) and dim_names != LLM:
+            raise ObserverError(f"dim_names={dim_names!r}: expected None, True, {LLM!r} or a dict")
         per_input = is_per_input(dim_names)
         ours = None if per_input else (True if dim_names == LLM else dim_names)
         shapes = self._shape_model(set_batch_dimension_for, ours)
@@ -95,6 +97,8 @@ class InputObserver(CallRecorder):
         index_or_args_or_kwargs: int | tuple[Any, ...] | dict[str, Any] | None = None,
         flat: bool = False,
         as_args_kwargs: bool = False,
+        *,
+        index: int | None = None,
     ) -> Arguments | list[Any] | tuple[tuple[Any, ...], dict[str, Any]]:
         """Arguments for ``torch.export.export``, in the structure of the richest call, absent
         optional inputs replaced by empty tensors.
@@ -103,9 +107,9 @@ class InputObserver(CallRecorder):
         index of a recorded call, or new inputs (a tuple of positional arguments or a dict of
         keyword arguments) to complete in the same way. The result is a tuple (positional
         calls) or a dict; ``as_args_kwargs=True`` always gives ``(args, kwargs)``, ``flat=True``
-        the flat list of leaves.
+        the flat list of leaves. ``index=`` is the seed's keyword for an index.
         """
-        shapes, index = self._call_to_complete(index_or_args_or_kwargs)
+        shapes, index = self._call_to_complete(index_or_args_or_kwargs if index is None else index)
         aligned = shapes.aligned
         with flattening_context():
             leaves = shapes.call_leaves(index)
