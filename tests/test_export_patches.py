@@ -68,9 +68,12 @@ def test_the_patches_are_undone_after_the_block():
     from torch.export import _trace
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    originals = (_trace._get_range_constraints, masking_utils._ignore_causal_mask_sdpa, ALL_ATTENTION_FUNCTIONS["sdpa"])
+    def current():
+        return _trace._get_range_constraints, masking_utils._ignore_causal_mask_sdpa, ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    originals = current()
     with export_patches():
-        patched = (_trace._get_range_constraints, masking_utils._ignore_causal_mask_sdpa, ALL_ATTENTION_FUNCTIONS["sdpa"])
+        patched = current()
     assert all(p is not o for p, o in zip(patched, originals))
-    assert (_trace._get_range_constraints, masking_utils._ignore_causal_mask_sdpa, ALL_ATTENTION_FUNCTIONS["sdpa"]) == originals
+    assert current() == originals
     assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping

@@ -154,7 +154,8 @@ def test_a_positional_none_and_value_if_missing_by_position() -> None:
     calls = [((ones(1, 28), ones(1, 3, 112, 112), ones(1, 28)), {})] + [
         ((ones(1, 1), None, ones(1, past + 1), torch.rand(1, 1, past, 32)), {}) for past in (28, 29)
     ]
-    observer = observe(Model(), calls, InputObserver(value_if_missing={1: torch.empty((0, 3, 112, 112), dtype=torch.int64)}))
+    no_image = torch.empty((0, 3, 112, 112), dtype=torch.int64)
+    observer = observe(Model(), calls, InputObserver(value_if_missing={1: no_image}))
     assert observer.infer_dynamic_shapes(set_batch_dimension_for=True) == (
         {0: DYN, 1: DYN}, {0: DYN}, {0: DYN, 1: DYN}, {0: DYN, 2: DYN},
     )
@@ -377,9 +378,10 @@ def test_model_inputs_from_the_inputs_alone_with_caches_and_no_registration(make
 
     def step(past: int, with_cache: bool = True) -> dict[str, Any]:
         cache = make_dynamic_cache([(torch.rand(1, 1, past, 96), torch.rand(1, 1, past, 96))])
-        return dict(cache_position=torch.arange(past and 1 or 8), input_ids=torch.randint(10, size=(1, past and 1 or 8)),
+        seq = 1 if past else 8
+        return dict(cache_position=torch.arange(seq), input_ids=torch.randint(10, size=(1, seq)),
                     **(dict(past_key_values=cache) if with_cache else {}),
-                    attention_mask=torch.ones((1, (past or 7) + 1), dtype=torch.int64))
+                    attention_mask=torch.ones((1, past + seq), dtype=torch.int64))
 
     shapes = ModelInputs(None, [((), step(0, with_cache=False)), ((), step(8)), ((), step(9))]).guess_dynamic_shapes()
     assert shapes == ((), {"cache_position": {0: DYN}, "input_ids": {1: DYN},

@@ -69,22 +69,14 @@ class ModelInputs:
         """
         if not self.inputs:
             return (), {}
+        positional = list(self.signature.parameters)[: max(len(args) for args, _ in self.inputs)]
         with flattening_context():
             aligned = align_calls(self.inputs, self.signature)
-            axes = ShapeModel.from_aligned(aligned).leaf_axes()
-            if isinstance(auto, str):
-                flat = _place_names(aligned, axes, auto)
-            elif auto and len(self.inputs) == 1:
-                flat = [dict.fromkeys(range(t.dim()), torch.export.Dim.AUTO) if isinstance(t, torch.Tensor) else {}
-                        for t in aligned.calls[0]]
-            else:
-                flat = [dict.fromkeys(a, torch.export.Dim.AUTO if auto else torch.export.Dim.DYNAMIC) for a in axes]
+            flat = _per_leaf(aligned, ShapeModel.from_aligned(aligned).leaf_axes(), auto, positional)
             by_name = {
                 slot.name: None if slot.is_constant else spec_structure(slot.spec, iter(flat[slot.start : slot.stop]))
                 for slot in aligned.slots
             }
-        n_args = max(len(args) for args, _ in self.inputs)
-        positional = list(self.signature.parameters)[:n_args]
         return tuple(by_name.get(name) for name in positional), {
             name: ds for name, ds in by_name.items() if name not in positional
         }
@@ -138,13 +130,27 @@ def use_dyn_not_str(dynamic_shapes: Any, default_value: Any = None) -> Any:
     return map_axes(dynamic_shapes, lambda axes: {d: value if isinstance(v, str) else v for d, v in axes.items()})
 
 
-def _place_names(aligned: AlignedCalls, axes: list[dict[int, str]], prefix: str) -> list[dict[int, str]]:
+def _per_leaf(
+    aligned: AlignedCalls, axes: list[dict[int, str]], auto: bool | str, positional: list[str]
+) -> list[dict[int, Any]]:
+    """The dynamic shape of every flat leaf, as ``guess_dynamic_shapes(auto)`` renders it."""
+    if isinstance(auto, str):
+        return _place_names(aligned, axes, auto, positional)
+    if auto and aligned.n_calls == 1:
+        return [dict.fromkeys(range(t.dim()), torch.export.Dim.AUTO) if isinstance(t, torch.Tensor) else {}
+                for t in aligned.calls[0]]
+    return [dict.fromkeys(a, torch.export.Dim.AUTO if auto else torch.export.Dim.DYNAMIC) for a in axes]
+
+
+def _place_names(
+    aligned: AlignedCalls, axes: list[dict[int, str]], prefix: str, positional: list[str]
+) -> list[dict[int, str]]:
     """onnx-diagnostic's names of the dynamic axes of every flat leaf (see ``guess_dynamic_shapes``)."""
     slots = [s for s in aligned.slots if not s.is_constant]
-    positional = [s for s in slots if aligned.positional or s.var_positional]
-    keywords = sorted((s for s in slots if s not in positional), key=lambda s: s.name)
+    by_position = [s for s in slots if s.name in positional]
+    keywords = sorted((s for s in slots if s.name not in positional), key=lambda s: s.name)
     places: dict[int, str] = {}
-    for group in (positional, keywords):
+    for group in (by_position, keywords):
         for i, slot in enumerate(group):
             for offset, place in enumerate(_leaf_places(slot.spec, f"{prefix}_{i}I")):
                 places[slot.start + offset] = place
