@@ -12,15 +12,19 @@ __version__ = "0.1.0"
 
 _PUBLIC = {  # public name -> module defining it
     "InputObserver": "api.observer",
+    "ObserverError": "api.errors",
+    "ObserverIndexError": "api.errors",
     "Observation": "observe.recorder",
     "string_type": "core.strings",
     "register_flattening_functions": "core.pytrees",
     "make_dynamic_cache": "core.pytrees",
+    "export_patches": "core.export_patches",
     "make_encoder_decoder_cache": "core.pytrees",
     "make_static_cache": "core.pytrees",
     "ModelInputs": "api.inputs",
     "all_dynamic_shape_from_inputs": "api.inputs",
     "all_dynamic_shapes_from_inputs": "api.inputs",
+    "use_dyn_not_str": "api.inputs",
     "ShapeModel": "shapes.model",
     "get_untrained_model_with_inputs": "api.untrained",
 }

@@ -172,16 +172,56 @@ def test_other_static_caches_round_trip_as_their_own_class(cache_utils, name):
     assert int(rebuilt.get_seq_length()) == 2
 
 
-def test_flattening_a_sliding_window_layer_is_a_clear_error(cache_utils):
+def test_a_sliding_window_cache_round_trips_with_its_layer_classes(cache_utils):
     from transformers import MistralConfig
 
     cache = cache_utils.DynamicCache(config=MistralConfig(num_hidden_layers=1, sliding_window=4))
     cache.update(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8), 0)
-    with (
-        register_flattening_functions(),
-        pytest.raises(TypeError, match="layer 0 is a DynamicSlidingWindowLayer"),
-    ):
-        pytree.tree_flatten(cache)
+    with register_flattening_functions():
+        leaves, spec = pytree.tree_flatten(cache)
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+    assert spec.context.layers == (("DynamicSlidingWindowLayer", (("sliding_window", 4),)),)
+    assert [type(layer) for layer in rebuilt.layers] == [cache_utils.DynamicSlidingWindowLayer]
+    assert (rebuilt.layers[0].sliding_window, rebuilt.get_seq_length()) == (4, 3)
+
+
+def test_make_dynamic_cache_with_mixed_layer_classes_round_trips(cache_utils):
+    classes = [cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer]
+    pairs = kv_pairs(seq=6)
+    cache = make_dynamic_cache(pairs, cls_layers=classes, cls_kwargs=[{}, dict(sliding_window=12)])
+    assert [type(layer) for layer in cache.layers] == classes
+    assert cache.layers[1].sliding_window == 12
+    default = make_dynamic_cache(pairs, cls_layers=["DynamicLayer", "DynamicSlidingWindowLayer"])
+    assert default.layers[1].sliding_window == 6  # the length of the keys
+    with register_flattening_functions():
+        leaves, spec = pytree.tree_flatten(cache)
+        paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(cache)[0]]
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+    assert paths == ["['key_0']", "['value_0']", "['key_1']", "['value_1']"]
+    assert [type(layer) for layer in rebuilt.layers] == classes
+    assert rebuilt.layers[1].sliding_window == 12
+    assert_same_tensors(leaves, flat(pairs))
+
+
+def test_make_dynamic_cache_takes_a_flat_list_and_any_rank_from_two(cache_utils):
+    key, value = torch.ones(2, 2), torch.ones(3, 4, 5)
+    cache = make_dynamic_cache([key, value])
+    assert [(layer.keys, layer.values) for layer in cache.layers] == [(key, value)]
+    with register_flattening_functions():
+        assert pytree.tree_flatten(cache)[0] == [key, value]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(cls_layers="StaticLayer"), "'StaticLayer' is no DynamicLayer class"),
+        (dict(cls_layers=["DynamicLayer"]), "2 layers, 1 classes in cls_layers and 2 in cls_kwargs"),
+        (dict(cls_kwargs={}), "cls_kwargs needs cls_layers"),
+    ],
+)
+def test_bad_layer_classes_are_rejected(cache_utils, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_dynamic_cache(kv_pairs(), **kwargs)
 
 
 def test_flattening_a_static_cache_before_its_first_update_is_a_clear_error(cache_utils):
@@ -279,21 +319,28 @@ def test_without_transformers_the_block_does_nothing(monkeypatch):
             r"pairs\[0\] must hold two tensors, not Tensor, float",
         ),
         (
-            [(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3))],
+            [(torch.zeros(4), torch.zeros(4, 4))],
             ValueError,
-            r"\(batch, heads, seq, head_dim\)",
-        ),
-        (
-            [(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 5, 4))],
-            ValueError,
-            r"\(1, 2, 3, 4\) and \(1, 2, 5, 4\)",
+            r"pairs\[0\]: keys and values need 2 dimensions or more, got \(4,\) and \(4, 4\)",
         ),
     ],
 )
 def test_bad_pairs_are_rejected(cache_utils, pairs, error, message):
     with pytest.raises(error, match=message):
         make_dynamic_cache(pairs)
-    with pytest.raises(error, match=message):
+    with pytest.raises(error):
+        make_static_cache(pairs, max_cache_len=8)
+
+
+@pytest.mark.parametrize(
+    ("pairs", "message"),
+    [
+        ([(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3))], r"\(batch, heads, seq, head_dim\)"),
+        ([(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 5, 4))], r"\(1, 2, 3, 4\) and \(1, 2, 5, 4\)"),
+    ],
+)
+def test_static_cache_needs_4d_keys_and_values_of_one_length(cache_utils, pairs, message):
+    with pytest.raises(ValueError, match=message):
         make_static_cache(pairs, max_cache_len=8)
 
 

@@ -102,6 +102,14 @@ def test_numpy_arrays():
 def test_dynamic_shapes():
     dims = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim("batch"), 2: torch.export.Dim.AUTO}
     assert string_type(dims) == "{0:DYNAMIC,1:Dim(batch),2:AUTO}"
+    assert string_type([torch.export.Dim.DYNAMIC]) == "#1[DYNAMIC]"
+    assert string_type(torch.export.Dim("batch") * 2) == "DerivedDim"
+    batch = torch.export.Dim("batch")
+    shapes = dict(input_ids={0: batch, 1: "seq"}, past_key_values=[[{0: batch, 2: "seq"}]])
+    assert string_type(shapes) == (
+        "dict(input_ids:{0:Dim(batch),1:DYN(seq)},past_key_values:#1[#1[{0:Dim(batch),2:DYN(seq)}]])"
+    )
+    assert string_type({0: "seq", 1: 3}) == "{0:str,1:int}"  # not dynamic shapes
 
 
 def test_unknown_objects_give_their_class_name():
@@ -110,9 +118,32 @@ def test_unknown_objects_give_their_class_name():
             raise RuntimeError("never called")
 
     assert (
-        string_type([Thing(), torch.nn.Linear(2, 2), torch.float32], with_min_max=True)
-        == "#3[Thing,Linear,dtype]"
+        string_type([Thing(), torch.nn.Linear(2, 2), slice(1, 2)], with_min_max=True)
+        == "#3[Thing(...),Linear(...),slice]"
     )
+    assert string_type(object(), ignore=True, verbose=0) == "object(...)"
+
+
+def test_devices_and_dtypes_show_their_value():
+    assert string_type([torch.float32, torch.device("cpu")]) == "#2[dtype(torch.float32),device(cpu)]"
+    assert string_type(torch.zeros(2, 3), with_shape=True, with_device=True) == "CT1s2x3"
+
+
+def test_sets_as_onnx_diagnostic_shows_them():
+    assert string_type({1, 2, 3}) == "{int,int,int}"
+    assert string_type({1, 2, 3}, with_min_max=True) == "{int=1,int=2,int=3}"
+    assert string_type(set()) == "{}"
+    assert string_type(set(range(15))) == "{...}"
+    assert string_type(set(range(15)), with_shape=True) == "{...}#15"
+    assert string_type(set(range(15)), with_min_max=True) == "{...}#15[0,14:A7.0]"
+
+
+def test_long_sequences_of_numbers_with_min_max_are_summarised():
+    assert string_type(list(range(25)), with_min_max=True) == "#25[int=0,...][0,24:12.0]"
+    assert string_type(tuple(range(25)), with_min_max=True) == "#25(int=0,...)[0,24:A[12.0]]"
+    assert string_type([True] * 100, with_min_max=True) == "#100[bool=True,...][True,True:1.0]"
+    assert string_type((4.5,) * 100, with_min_max=True) == "#100(float=4.5,...)[4.5,4.5:A[4.5]]"
+    assert string_type([4] * 5, with_min_max=True, limit=3) == "#5[int=4,...][4,4:4.0]"
 
 
 def test_dataclasses_skip_none_fields():
@@ -181,6 +212,18 @@ def test_static_cache(caches):
         "StaticCache(key_cache=#2[T1s1x4x16x32,T1s1x4x16x32],"
         " value_cache=#2[T1s1x4x16x32,T1s1x4x16x32])"
     )
+
+
+def test_cache_of_mixed_layers_and_a_layer(caches):
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    make_dynamic_cache, _, _, pairs = caches
+    cache = make_dynamic_cache(pairs, cls_layers=[DynamicLayer, DynamicSlidingWindowLayer])
+    assert string_type(cache, with_shape=True) == (
+        "DynamicCache(DynamicLayer(T1s1x4x10x32, T1s1x4x10x32),"
+        " DynamicSlidingWindowLayer(T1s1x4x10x32, T1s1x4x10x32))"
+    )
+    assert string_type(cache.layers[0]) == "DynamicLayer(keys=T1r4, values=T1r4)"
 
 
 def test_model_output(caches):

@@ -225,6 +225,20 @@ def test_torch_export_keeps_every_named_axis_dynamic(name):
     assert static_named_axes(program, result) == []
 
 
+def test_use_dyn_not_str_lets_torch_export_take_the_string_axes():
+    from pytest_exportobs import use_dyn_not_str
+
+    result = build("llama")
+    assert result["dynamic_shapes"]["input_ids"] == {0: "batch", 1: "seq"}  # the seed's names
+    shapes = use_dyn_not_str(result["dynamic_shapes"])
+    assert shapes["past_key_values"] == [{0: torch.export.Dim.DYNAMIC, 2: torch.export.Dim.DYNAMIC}] * 4
+    with register_flattening_functions():
+        program = torch.export.export(
+            result["model"], (), kwargs=copy.deepcopy(result["inputs"]), dynamic_shapes=shapes
+        )
+    assert static_named_axes(program, result) == []
+
+
 def test_static_cache_exports_to_onnx_and_matches_eager(tmp_path):
     import onnxruntime
 

@@ -5,7 +5,9 @@ Inside :func:`register_flattening_functions`, :func:`torch.export.export` and
 
 * ``DynamicCache`` of n layers: 2n tensors ``k0, v0, k1, v1, ...`` (context
   ``["key_0", "value_0", ...]``); none when no layer holds tensors yet (``DynamicCache()``,
-  or the cache ``generate()`` passes at prefill);
+  or the cache ``generate()`` passes at prefill); layers of other classes than
+  ``DynamicLayer`` (``DynamicSlidingWindowLayer``) keep their class and window through a
+  :class:`MixedLayers` context;
 * ``StaticCache`` (and ``SlidingWindowCache``, ``HybridCache`` where they are classes of
   their own): the same layout, each tensor ``max_cache_len`` positions long;
 * ``EncoderDecoderCache``: ``[self_attention_cache, cross_attention_cache]``.
@@ -22,6 +24,7 @@ import functools
 import importlib.util
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +34,11 @@ KeyValue = tuple[torch.Tensor, torch.Tensor]
 Flatten = Callable[[Any], tuple[list[Any], list[str]]]
 Unflatten = Callable[[Sequence[Any], list[str]], Any]
 
+LayerClasses = str | type | Sequence[str | type] | None
+LayerKwargs = dict[str, Any] | Sequence[dict[str, Any]] | None
+
 _ENCODER_DECODER_FIELDS = ["self_attention_cache", "cross_attention_cache"]
+_LAYER_ARGUMENTS = ("sliding_window",)  # constructor arguments a layer keeps as attributes
 _STATIC_CACHE_CLASSES = ("StaticCache", "SlidingWindowCache", "HybridCache")
 
 _lock = threading.Lock()
@@ -52,6 +59,8 @@ def _filled(layer: Any, key: torch.Tensor, value: torch.Tensor) -> Any:
     layer.keys, layer.values = key, value
     layer.dtype, layer.device = key.dtype, key.device
     layer.is_initialized = True
+    if isinstance(getattr(layer, "cumulative_length", None), int):  # DynamicSlidingWindowLayer
+        layer.cumulative_length = key.shape[-2]
     if isinstance(layer, _cache_utils().StaticLayer):
         layer.max_batch_size = key.shape[0]  # read by ``Cache.max_batch_size`` (transformers 4.57)
         if hasattr(layer, "cumulative_length"):  # transformers 5 keeps the fill level as a tensor
@@ -61,10 +70,13 @@ def _filled(layer: Any, key: torch.Tensor, value: torch.Tensor) -> Any:
     return layer
 
 
-def _dynamic_cache(pairs: Sequence[KeyValue]) -> Any:
+def _dynamic_cache(pairs: Sequence[KeyValue], layers: Sequence[Any] | None = None) -> Any:
+    """A ``DynamicCache`` whose layer i is ``layers[i]`` (a new ``DynamicLayer`` by default)
+    holding ``pairs[i]``."""
     cache_utils = _cache_utils()
     cache = cache_utils.DynamicCache()
-    cache.layers.extend(_filled(cache_utils.DynamicLayer(), k, v) for k, v in pairs)
+    layers = layers if layers is not None else [cache_utils.DynamicLayer() for _ in pairs]
+    cache.layers.extend(_filled(layer, k, v) for layer, (k, v) in zip(layers, pairs, strict=True))
     return cache
 
 
@@ -78,10 +90,23 @@ def _static_cache(cls: type, pairs: Sequence[KeyValue]) -> Any:
     return cache
 
 
-def _checked_pairs(pairs: Sequence[KeyValue]) -> list[KeyValue]:
-    """``pairs`` as a list, once checked to be (key, value) pairs of 4-D tensors."""
+def _as_pairs(pairs: Sequence[Any]) -> list[Any]:
+    """(key, value) pairs from a list of pairs or a flat list ``k0, v0, k1, v1, ...``."""
     if not isinstance(pairs, (list, tuple)):
         raise TypeError(f"pairs must be a list of (key, value) tensors, not {type(pairs).__name__}")
+    if pairs and all(isinstance(t, torch.Tensor) for t in pairs):
+        if len(pairs) % 2:
+            raise TypeError(
+                f"pairs[{len(pairs) - 1}] must be a (key, value) pair: a flat list of tensors holds"
+                f" keys and values in turn, got {len(pairs)} tensors"
+            )
+        return list(zip(pairs[::2], pairs[1::2]))
+    return list(pairs)
+
+
+def _checked_tensor_pairs(pairs: Sequence[Any], min_rank: int) -> list[KeyValue]:
+    """(key, value) pairs of tensors of rank ``min_rank`` or more."""
+    pairs = _as_pairs(pairs)
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             raise TypeError(f"pairs[{i}] must be a (key, value) pair, not {type(pair).__name__}")
@@ -91,20 +116,68 @@ def _checked_pairs(pairs: Sequence[KeyValue]) -> list[KeyValue]:
                 f"pairs[{i}] must hold two tensors, "
                 f"not {type(key).__name__}, {type(value).__name__}"
             )
+        if min(key.dim(), value.dim()) < min_rank:
+            raise ValueError(
+                f"pairs[{i}]: keys and values need {min_rank} dimensions or more, "
+                f"got {tuple(key.shape)} and {tuple(value.shape)}"
+            )
+    return [tuple(pair) for pair in pairs]
+
+
+def _checked_pairs(pairs: Sequence[Any]) -> list[KeyValue]:
+    """(key, value) pairs of ``(batch, heads, seq, head_dim)`` tensors agreeing on the first three."""
+    pairs = _checked_tensor_pairs(pairs, min_rank=1)
+    for i, (key, value) in enumerate(pairs):
         if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
             raise ValueError(
                 f"pairs[{i}]: key and value must be (batch, heads, seq, head_dim) tensors with"
                 f" the same batch, heads and seq, got {tuple(key.shape)} and {tuple(value.shape)}"
             )
-    return [tuple(pair) for pair in pairs]
+    return pairs
 
 
-def make_dynamic_cache(pairs: Sequence[KeyValue]) -> Any:
+def make_dynamic_cache(
+    pairs: Sequence[Any], cls_layers: LayerClasses = None, cls_kwargs: LayerKwargs = None
+) -> Any:
     """A ``DynamicCache`` whose layer i holds ``pairs[i] = (key, value)`` (not copied).
 
-    Keys and values are ``(batch, heads, seq, head_dim)`` tensors.
+    ``pairs`` is a list of (key, value) pairs or a flat list ``k0, v0, k1, v1, ...``; keys and
+    values are tensors of rank 2 or more, usually ``(batch, heads, seq, head_dim)``.
+    ``cls_layers`` gives the layer class of every layer (one class or name for all, or one per
+    layer, e.g. ``[DynamicLayer, DynamicSlidingWindowLayer]``), ``cls_kwargs`` their
+    constructor arguments (``sliding_window`` defaults to the length of the keys).
     """
-    return _dynamic_cache(_checked_pairs(pairs))
+    checked = _checked_tensor_pairs(pairs, min_rank=2)
+    if cls_layers is None:
+        if cls_kwargs is not None:
+            raise ValueError("cls_kwargs needs cls_layers")
+        return _dynamic_cache(checked)
+    return _dynamic_cache(checked, _new_layers(checked, cls_layers, cls_kwargs))
+
+
+def _new_layers(pairs: list[KeyValue], cls_layers: LayerClasses, cls_kwargs: LayerKwargs) -> list[Any]:
+    """One new layer per pair, of the class ``cls_layers`` names for it."""
+    per_layer = [cls_layers] * len(pairs) if isinstance(cls_layers, (str, type)) else list(cls_layers)
+    kwargs = [cls_kwargs or {}] * len(pairs) if not isinstance(cls_kwargs, (list, tuple)) else list(cls_kwargs)
+    if not len(per_layer) == len(kwargs) == len(pairs):
+        raise ValueError(
+            f"{len(pairs)} layers, {len(per_layer)} classes in cls_layers and {len(kwargs)} in cls_kwargs"
+        )
+    layers = []
+    for (key, _), cls, arguments in zip(pairs, per_layer, kwargs):
+        cls = _layer_class(cls)
+        defaults = {"sliding_window": key.shape[-2]} if "SlidingWindow" in cls.__name__ else {}
+        layers.append(cls(**{**defaults, **arguments}))
+    return layers
+
+
+def _layer_class(cls: str | type) -> type:
+    """A cache layer class, or its name in ``transformers.cache_utils``."""
+    cache_utils = _cache_utils()
+    resolved = getattr(cache_utils, cls, None) if isinstance(cls, str) else cls
+    if not (isinstance(resolved, type) and issubclass(resolved, cache_utils.DynamicLayer)):
+        raise ValueError(f"{cls!r} is no DynamicLayer class of transformers.cache_utils")
+    return resolved
 
 
 def make_static_cache(pairs: Sequence[KeyValue], max_cache_len: int) -> Any:
@@ -140,11 +213,38 @@ def make_encoder_decoder_cache(self_attention_cache: Any, cross_attention_cache:
 # -- flattening -------------------------------------------------------------------------
 
 
-def _flat_key_values(cache: Any, layer_type: type) -> tuple[list[torch.Tensor], list[str]]:
-    """``k0, v0, k1, ...`` and their names, once checked all layers are filled ``layer_type``."""
+@dataclass(frozen=True)
+class MixedLayers:
+    """Flattening context of a ``DynamicCache`` whose layers are not all ``DynamicLayer``:
+    the names of its tensors and, per layer, its class name and constructor arguments."""
+
+    names: tuple[str, ...]
+    layers: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+
+    @classmethod
+    def of(cls, cache: Any, names: list[str]) -> MixedLayers:
+        return cls(tuple(names), tuple(
+            (type(layer).__name__, tuple((a, getattr(layer, a)) for a in _LAYER_ARGUMENTS if hasattr(layer, a)))
+            for layer in cache.layers
+        ))
+
+    def new_layers(self) -> list[Any]:
+        return [getattr(_cache_utils(), name)(**dict(arguments)) for name, arguments in self.layers]
+
+
+def _names(context: list[str] | MixedLayers) -> list[str]:
+    return list(context.names) if isinstance(context, MixedLayers) else context
+
+
+def _flat_key_values(
+    cache: Any, layer_type: type, subclasses: bool = False
+) -> tuple[list[torch.Tensor], list[str]]:
+    """``k0, v0, k1, ...`` and their names, once checked all layers are filled ``layer_type``
+    (or one of its subclasses when ``subclasses``)."""
     for i, layer in enumerate(cache.layers):
-        if type(layer) is not layer_type or layer.keys is None:
-            what = "empty" if type(layer) is layer_type else f"a {type(layer).__name__}"
+        accepted = isinstance(layer, layer_type) if subclasses else type(layer) is layer_type
+        if not accepted or layer.keys is None:
+            what = "empty" if accepted else f"a {type(layer).__name__}"
             raise TypeError(
                 f"cannot flatten {type(cache).__name__}: layer {i} is {what},"
                 f" only filled {layer_type.__name__} layers are supported"
@@ -158,15 +258,19 @@ def _pairs(leaves: Sequence[torch.Tensor]) -> list[KeyValue]:
     return list(zip(leaves[::2], leaves[1::2], strict=True))
 
 
-def _flatten_dynamic_cache(cache: Any) -> tuple[list[torch.Tensor], list[str]]:
+def _flatten_dynamic_cache(cache: Any) -> tuple[list[torch.Tensor], list[str] | MixedLayers]:
     layer_type = _cache_utils().DynamicLayer
-    if all(type(layer) is layer_type and layer.keys is None for layer in cache.layers):
+    if all(isinstance(layer, layer_type) and layer.keys is None for layer in cache.layers):
         return [], []  # nothing cached yet
-    return _flat_key_values(cache, layer_type)
+    leaves, names = _flat_key_values(cache, layer_type, subclasses=True)
+    if all(type(layer) is layer_type for layer in cache.layers):
+        return leaves, names
+    return leaves, MixedLayers.of(cache, names)
 
 
-def _unflatten_dynamic_cache(leaves: Sequence[torch.Tensor], context: list[str]) -> Any:
-    return _dynamic_cache(_pairs(leaves))
+def _unflatten_dynamic_cache(leaves: Sequence[torch.Tensor], context: list[str] | MixedLayers) -> Any:
+    layers = context.new_layers() if isinstance(context, MixedLayers) else None
+    return _dynamic_cache(_pairs(leaves), layers)
 
 
 def _flatten_static_cache(cache: Any) -> tuple[list[torch.Tensor], list[str]]:
@@ -186,9 +290,10 @@ def _unflatten_encoder_decoder_cache(children: Sequence[Any], context: list[str]
 
 
 def _with_keys(flatten: Flatten) -> Callable[[Any], tuple[list[tuple[Any, Any]], list[str]]]:
-    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], list[str]]:
-        children, names = flatten(obj)
-        return [(pytree.MappingKey(n), c) for n, c in zip(names, children, strict=True)], names
+    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
+        children, context = flatten(obj)
+        keys = [pytree.MappingKey(n) for n in _names(context)]
+        return list(zip(keys, children, strict=True)), context
 
     return flatten_with_keys
 

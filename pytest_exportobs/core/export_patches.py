@@ -1,0 +1,137 @@
+"""Context managers that let ``torch.export`` take what transformers' ``generate()`` feeds forward.
+
+Observing ``model.generate(...)`` records calls that ``torch.export.export`` and
+``torch.onnx.export(..., dynamo=True)`` reject as they are (torch 2.13, transformers 5):
+
+* the extra keywords of ``forward(..., **kwargs)`` (``return_dict=True``): torch nests their
+  dynamic shapes under ``kwargs`` when it checks them but not when it computes the range
+  constraints, and fails with ``Must provide a tree_name when there might be a mismatch``;
+  :func:`nested_var_keywords` retries that step with the extra keywords nested;
+* transformers' SDPA attention decides ``is_causal`` (and whether it needs a mask) from
+  ``query.shape[2] > 1``, a ``SymBool`` while exporting with a dynamic sequence (``argument
+  'is_causal' must be bool, not SymBool``) and a guard that specializes the sequence length;
+  :func:`explicit_attention_masks` makes transformers always build the mask and attends with it,
+  which is what eager computes, without deciding on the sequence length.
+
+:func:`export_patches` enters both; the second only when transformers is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+@contextlib.contextmanager
+def export_patches() -> Iterator[None]:
+    """Every patch of this module, for the duration of the block."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(nested_var_keywords())
+        if "transformers" in sys.modules:
+            stack.enter_context(explicit_attention_masks())
+        yield
+
+
+@contextlib.contextmanager
+def nested_var_keywords() -> Iterator[None]:
+    """Let torch.export compute range constraints for the extra keywords of ``**kwargs``."""
+    from torch.export import _trace
+
+    original = getattr(_trace, "_get_range_constraints", None)
+    if original is None:  # a torch without this step has nothing to patch
+        yield
+        return
+    _trace._get_range_constraints = _retry_nested(original)
+    try:
+        yield
+    finally:
+        _trace._get_range_constraints = original
+
+
+def _retry_nested(get_range_constraints: Callable[..., Any]) -> Callable[..., Any]:
+    def range_constraints(mod: Any, export_artifact: Any, args: Any, kwargs: Any, dynamic_shapes: Any) -> Any:
+        try:
+            return get_range_constraints(mod, export_artifact, args, kwargs, dynamic_shapes)
+        except AssertionError:
+            nested = _nest_extra_keywords(mod, kwargs or {})
+            if nested is None:
+                raise
+            return get_range_constraints(mod, export_artifact, args, nested, dynamic_shapes)
+
+    return range_constraints
+
+
+def _nest_extra_keywords(mod: Any, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """``kwargs`` with the keywords ``**<name>`` collects nested under ``<name>``, placed where
+    the first of them was (torch orders the graph inputs like ``kwargs``); ``None`` if none."""
+    parameters = inspect.signature(mod.forward).parameters
+    var_keyword = next((n for n, p in parameters.items() if p.kind is p.VAR_KEYWORD), None)
+    extras = {k: v for k, v in kwargs.items() if k not in parameters}
+    if var_keyword is None or not extras:
+        return None
+    nested: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if name in parameters:
+            nested[name] = value
+        elif var_keyword not in nested:
+            nested[var_keyword] = extras
+    return nested
+
+
+@contextlib.contextmanager
+def explicit_attention_masks() -> Iterator[None]:
+    """Transformers always builds attention masks and its ``"sdpa"`` attention uses them with
+    ``is_causal=False``, so no decision depends on the length of the sequence."""
+    try:
+        import transformers.masking_utils as masking_utils
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # transformers < 4.53 has neither: nothing decides on the length there
+        yield
+        return
+    skip_mask = masking_utils._ignore_causal_mask_sdpa
+    had_local = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    masking_utils._ignore_causal_mask_sdpa = _never
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = _masked_attention(sdpa)
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = skip_mask
+        if had_local:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+        else:
+            del ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+_HANDLED_BY_SDPA = ("position_bias", "cache", "softcap")  # arguments transformers' SDPA uses specially
+
+
+def _never(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+def _masked_attention(sdpa: Callable[..., Any]) -> Callable[..., Any]:
+    """Transformers' SDPA attention when given a mask (and nothing it handles specially), without
+    the shape-dependent branches; ``sdpa`` itself otherwise."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    def attention(
+        module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        if attention_mask is None or any(kwargs.get(name) is not None for name in _HANDLED_BY_SDPA):
+            return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        groups = getattr(module, "num_key_value_groups", 1)
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, repeat_kv(key, groups), repeat_kv(value, groups),
+            attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        )
+        return output.transpose(1, 2).contiguous(), None
+
+    return attention
