@@ -13,6 +13,7 @@ import torch
 import models
 from models import MLP, Branchy, ConvNet
 
+from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
@@ -50,7 +51,8 @@ def test_exportable_mlp_passes_with_its_numbers(tmp_path: Path) -> None:
     group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
     result = check_model(group, settings(tmp_path))
     assert (result.verdict, result.stage, result.kind, result.reason) == ("passed", "verify", "", "")
-    assert result.dims == {"x": {"0": "x_dim0"}}
+    assert result.dims == {"x": {"0": "batch"}}
+    assert result.dim_sources == {"batch": "observed"}
     assert result.n_observations == 2
     assert 0 < result.max_abs < 1e-5
     assert result.reference == "recorded"
@@ -65,7 +67,7 @@ def test_conv_net_with_dynamic_height_and_width(tmp_path: Path) -> None:
                      name="pixel_values")
     result = check_model(group, settings(tmp_path))
     assert result.verdict == "passed", result.reason
-    assert result.dims == {"images": {"0": "images_dim0", "2": "images_dim2", "3": "images_dim3"}}
+    assert result.dims == {"images": {"0": "batch", "2": "height", "3": "width"}}
 
 
 def test_data_dependent_branch_fails_at_torch_export_with_the_source_line(tmp_path: Path) -> None:
@@ -91,7 +93,7 @@ def test_tolerance_below_the_real_error_fails_as_mismatch_with_numbers(tmp_path:
     assert (result.verdict, result.stage, result.kind) == ("failed", "verify", "mismatch")
     assert result.max_abs > 0
     assert f"max |Δ| {result.max_abs:.3g}" in result.reason
-    assert "beyond atol=0 rtol=0" in result.reason
+    assert "values beyond tolerance, worst in output (atol=0, rtol=0)" in result.reason
 
 
 def test_second_run_hits_the_cache_and_a_changed_weight_misses_it(tmp_path: Path) -> None:
@@ -152,7 +154,7 @@ class CachedDecoder(torch.nn.Module):
         return self.proj(torch.cat([past, x], dim=1)).sum(dim=1)
 
 
-def test_absent_cache_is_stood_in_with_the_calls_own_batch(tmp_path: Path) -> None:
+def test_an_optional_input_of_unknown_meaning_gets_a_graph_of_its_own(tmp_path: Path) -> None:
     module = CachedDecoder()
     store = SessionStore()
     with store.observe(module, "decoder", ObserveOptions(), "t") as group:
@@ -161,10 +163,20 @@ def test_absent_cache_is_stood_in_with_the_calls_own_batch(tmp_path: Path) -> No
         module(torch.randn(3, 1, 4), past=torch.randn(3, 6, 4))
     result = check_model(group, settings(tmp_path))
     assert result.verdict == "passed", result.reason
-    assert result.dims == {"x": {"0": "batch", "1": "x_dim1"}, "past": {"0": "batch", "1": "past_dim1"}}
-    from pytest_exportobs.shapes.model import ShapeModel
+    assert [(g.name, g.calls, g.dims) for g in result.graphs] == [
+        ("with past", [1, 2], {"x": {"0": "batch", "1": "seq"}, "past": {"0": "batch", "1": "past_dim1"}}),
+        ("without past", [0], {"x": {"0": "batch", "1": "seq"}}),
+    ]
 
-    shapes = ShapeModel.from_aligned(group.recorder.aligned())
+
+def test_the_library_api_stands_in_for_an_absent_input_with_an_empty_tensor_of_the_calls_batch() -> None:
+    module = CachedDecoder()
+    observer = InputObserver()
+    with observer(module):
+        module(torch.randn(2, 5, 4))
+        module(torch.randn(1, 1, 4), past=torch.randn(1, 5, 4))
+        module(torch.randn(3, 1, 4), past=torch.randn(3, 6, 4))
+    shapes = ShapeModel.from_aligned(observer.aligned())
     assert [tuple(t.shape) for t in shapes.call_leaves(0)] == [(2, 5, 4), (2, 0, 4)]
 
 
@@ -182,19 +194,33 @@ class KeywordConstants(torch.nn.Module):
 
 
 @pytest.mark.parametrize("target", ["onnx", "torch"])
-def test_constants_through_kwargs_are_bound_and_minority_calls_left_out(tmp_path: Path, target: str) -> None:
+def test_calls_with_other_constants_get_a_graph_of_their_own(tmp_path: Path, target: str) -> None:
     module = KeywordConstants()
     store = SessionStore()
     with store.observe(module, "constants", ObserveOptions(), "t") as group:
         module(torch.randn(2, 4), return_dict=True)
         module(torch.randn(3, 4), return_dict=True)
-        module(torch.randn(5, 4))  # like a direct call beside generate()'s calls
+        module(torch.randn(5, 4))  # like a direct call beside generate()'s calls: y, not 2 * y
     result = check_model(group, settings(tmp_path, target=target))
-    assert (result.verdict, result.n_observations, len(result.discrepancies)) == ("passed", 3, 2), result.reason
-    assert result.notes[0] == (
-        "1 of 3 calls left out: their constant arguments (return_dict=absent) "
-        "differ from the kept calls' (return_dict=True)"
-    )
+    assert (result.verdict, result.n_observations, len(result.discrepancies)) == ("passed", 3, 3), result.reason
+    graphs = [(g.name, g.calls, g.constants, g.verdict, g.dims) for g in result.graphs]
+    assert graphs == [
+        ("return_dict=True", [0, 1], {"return_dict": True}, "passed", {"x": {"0": "batch"}}),
+        ("return_dict default", [2], {}, "passed", {"x": {"0": "batch"}}),
+    ]
+
+
+def test_calls_with_other_constants_and_the_same_outputs_share_a_graph(tmp_path: Path) -> None:
+    module = KeywordConstants()
+    store = SessionStore()
+    with store.observe(module, "constants", ObserveOptions(), "t") as group:
+        module(torch.randn(2, 4), verbose=True)
+        module(torch.randn(3, 4), verbose=True)
+        module(torch.randn(5, 4))  # no effect on the outputs: the first graph reproduces it
+    result = check_model(group, settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert [(g.name, g.calls, g.constants) for g in result.graphs] == [("verbose=True", [0, 1, 2], {"verbose": True})]
+    assert result.graphs[0].notes[-1] == "calls [2] of other arguments or constants also run on this graph"
 
 
 def test_a_method_other_than_forward_is_exported(tmp_path: Path) -> None:
@@ -205,7 +231,7 @@ def test_a_method_other_than_forward_is_exported(tmp_path: Path) -> None:
         module.encode(torch.randn(6, 4), scale=3.0)
     result = check_model(group, settings(tmp_path))
     assert result.verdict == "passed", result.reason
-    assert result.dims == {"x": {"0": "x_dim0"}}
+    assert result.dims == {"x": {"0": "batch"}}
 
 
 def test_tiny_llama_onnx_axes_carry_the_inferred_names(tiny_llama, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ def mlp():
     torch.manual_seed(0)
     return MLP().eval()
 
-@pytest.mark.observe_export("mlp")
+@pytest.mark.observe_export("mlp", static=("x:0",) if os.environ.get("STATIC_MLP") else ())
 def test_mlp(mlp):
     mlp(torch.randn(2, 8))
     if not os.environ.get("STATIC_MLP"):
@@ -41,7 +41,7 @@ def test_record_gate_break_and_fix(pytester: pytest.Pytester, workers: list[str]
     baseline = json.loads((pytester.path / "baseline.json").read_text())
     assert {name: entry["verdict"] for name, entry in baseline["models"].items()} == {
         "branchy": "failed", "mlp": "passed"}
-    assert baseline["models"]["mlp"]["dims"] == {"x": {"0": "x_dim0"}}
+    assert baseline["models"]["mlp"]["dims"] == {"x": {"0": "batch"}}
 
     again = pytester.runpytest_subprocess(*ARGS, *workers)
     assert again.ret == 0
@@ -68,7 +68,7 @@ def test_dim_that_becomes_static_is_a_regression(pytester: pytest.Pytester, monk
     monkeypatch.setenv("STATIC_MLP", "1")
     result = pytester.runpytest_subprocess(*ARGS)
     assert result.ret == 1
-    result.stdout.fnmatch_lines(["exportobs gate: 1 regression (mlp: dim x.0 (x_dim0) became static)"])
+    result.stdout.fnmatch_lines(["exportobs gate: 1 regression (mlp: dim x.0 (batch) became static)"])
 
 
 def test_fixed_model_is_xpassed_and_fails_when_strict(pytester: pytest.Pytester) -> None:

@@ -103,7 +103,7 @@ def test_one_outcome_per_model(suite: pytest.Pytester, workers: list[str]) -> No
         "SKIPPED *never-called*no call of the model was observed*",
         "FAILED exportobs::Branchy - failed at torch.export: *(at models.py:*: if x.sum() > 0:)",
     ])
-    result.stdout.re_match_lines([r"mlp\s+passed\s+variations\s+2\s+\S+\s+\S+s\s+x\{0:x_dim0\}"])
+    result.stdout.re_match_lines([r"mlp\s+passed\s+variations\s+2\s+\S+\s+\S+s\s+x\{0:batch\}"])
 
 
 def test_exit_code_zero_when_every_model_passes(pytester: pytest.Pytester) -> None:

@@ -107,7 +107,7 @@ def test_failure_shrinks_to_smallest_sizes(mlp, tmp_path):
     assert outcome.failing_sizes == {"batch": 3, "seq": 2}
     assert [tuple(t.shape) for t in outcome.failing_leaves] == [(3, 2, 8)]
     assert outcome.max_abs == pytest.approx(1.0, abs=1e-5)
-    assert "beyond atol" in outcome.detail
+    assert outcome.detail == "24 of 24 values beyond tolerance, worst in output 0 (atol=0.0001, rtol=0.0001)"
     summary = outcome.to_json()
     assert "failing_leaves" not in summary and json.loads(json.dumps(summary)) == summary
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..core.capture import captured_output
+from ..core.export_patches import export_patches
 from ..core.text import error_line
 from ..core.trees import detached_clone, flat_outputs, flattening_context
 from ..core.versions import package_versions
@@ -75,8 +76,8 @@ class _ModelCheck:
         self.options = group.options
 
     def run(self) -> None:
-        with patches.entered((*self.settings.patches, *self.options.patches)), flattening_context(), \
-                _eval_no_grad(self.group.module):
+        with export_patches(), patches.entered((*self.settings.patches, *self.options.patches)), \
+                flattening_context(), _eval_no_grad(self.group.module):
             joint = self._infer()
             context = self._context()
             graphs, unverified = self._check_graphs(joint, context)

@@ -107,7 +107,8 @@ def export_model(
     try:
         with stages.run("torch.export"):
             program = trace(exported, shapes, outcome.example, not outcome.bound, outcome.notes, accepts)
-        outcome.program, outcome.outputs = program, spec_paths(program.call_spec.out_spec)
+        outcome.program = program
+        outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
         names = _refine(shapes, program_shapes(program), outcome)
         if target == "torch":
             outcome.dims = read_dims(shapes, outcome.example.inputs, program_shapes(program), names)

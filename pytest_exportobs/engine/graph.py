@@ -144,6 +144,7 @@ class GraphCheck:
         """Run every call of the plan; ``False`` when the graph fails.  Calls that lacked an
         argument of the graph and fail are split off instead."""
         context, result = self.context, self.result
+        context.progress("verify" + (f" [{self.plan.name}]" if self.plan.name else ""))
         result.stage = "verify"
         begin = time.perf_counter()
         leaves = [self.shapes.call_leaves(i) for i in range(len(self.plan.calls))]

@@ -17,6 +17,8 @@ def name_variables(
     roles = axis_roles(aligned, generic=False)
     for var in variables:
         name = "batch" if forced & set(var.axes) else default_name(aligned, var, roles)
+        if name in taken and var.role == name:  # a second variable of one role: named by its axis
+            name = generic_name(aligned, var)
         while name in taken:
             name = bump(name)
         taken.add(name)
@@ -61,6 +63,12 @@ def default_name(aligned: AlignedCalls, var: Variable, roles: dict[Axis, Role]) 
     leaf, dim = var.axes[0]
     if dim == 0 and len({aligned.leaf_slot(l).name for l, d in var.axes if d == 0}) > 1:
         return "batch"
+    return generic_name(aligned, var)
+
+
+def generic_name(aligned: AlignedCalls, var: Variable) -> str:
+    """``input_dimN`` of the variable's first axis."""
+    leaf, dim = var.axes[0]
     return f"{identifier(aligned.leaf_names[leaf])}_dim{dim}"
 
 

@@ -61,16 +61,19 @@ def axis_roles(aligned: AlignedCalls, generic: bool = True) -> dict[Axis, Role]:
     """The role of every axis that has one; ``generic`` adds the guesses on inputs with other
     names than transformers' (see :func:`_generic_roles`)."""
     encoder_decoder = _is_encoder_decoder(aligned)
-    has_self_cache = any(cache_kind(aligned, leaf) == "self" for leaf in range(len(aligned.leaf_names)))
+    # a mask longer than the new tokens covers past ones too (a cache, or tokens the call repeats)
+    covers_past = _mask_covers_past(aligned) or any(
+        cache_kind(aligned, leaf) == "self" for leaf in range(len(aligned.leaf_names))
+    )
     roles: dict[Axis, Role] = {}
     for leaf in range(len(aligned.leaf_names)):
-        roles.update(_known_roles(aligned, leaf, encoder_decoder, has_self_cache))
+        roles.update(_known_roles(aligned, leaf, encoder_decoder, covers_past))
     if generic:
         roles.update(_generic_roles(aligned, roles))
     return roles
 
 
-def _known_roles(aligned: AlignedCalls, leaf: int, encoder_decoder: bool, has_self_cache: bool) -> dict[Axis, Role]:
+def _known_roles(aligned: AlignedCalls, leaf: int, encoder_decoder: bool, covers_past: bool) -> dict[Axis, Role]:
     rank = _rank(aligned, leaf)
     cache = cache_kind(aligned, leaf)
     if cache is not None:
@@ -80,11 +83,24 @@ def _known_roles(aligned: AlignedCalls, leaf: int, encoder_decoder: bool, has_se
     slot = aligned.leaf_slot(leaf).name
     spelled = {
         "text": "encoder_seq" if encoder_decoder else "seq",
-        "mask": "encoder_seq" if encoder_decoder else ("total_seq" if has_self_cache else "seq"),
-        "decoder_mask": "total_seq" if has_self_cache else "seq",
+        "mask": "encoder_seq" if encoder_decoder else ("total_seq" if covers_past else "seq"),
+        "decoder_mask": "total_seq" if covers_past else "seq",
     }
     known = KNOWN_INPUTS.get(slot, {})
     return {(leaf, dim): Role(spelled.get(name, name), name not in ("height", "width")) for dim, name in known.items() if dim < rank}
+
+
+def _mask_covers_past(aligned: AlignedCalls) -> bool:
+    """Whether ``attention_mask`` is longer than ``input_ids`` in some call."""
+    names = aligned.leaf_names
+    if "attention_mask" not in names or "input_ids" not in names:
+        return False
+    mask, ids = names.index("attention_mask"), names.index("input_ids")
+    return any(
+        isinstance(call[mask], torch.Tensor) and isinstance(call[ids], torch.Tensor)
+        and call[mask].dim() == call[ids].dim() == 2 and call[mask].shape[1] != call[ids].shape[1]
+        for call in aligned.calls
+    )
 
 
 def _generic_roles(aligned: AlignedCalls, known: dict[Axis, Role]) -> dict[Axis, Role]:

@@ -165,7 +165,7 @@ HELD_OUT: dict[str, Callable[[torch.nn.Module], list[Call]]] = {
     "qwen2": qwen2_calls,
     "gpt2": decoder_calls(positions=True),
     "gemma": decoder_calls(positions=True),
-    "mistral": decoder_calls(mask=False),
+    "mistral": decoder_calls(mask=False, positions=True),
     "roberta": encoder_calls,
     "bert": bert_calls,
     "text_encoder": text_encoder_calls,
