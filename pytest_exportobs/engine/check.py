@@ -22,15 +22,16 @@ import torch
 from ..core.capture import captured_output
 from ..core.export_patches import export_patches
 from ..core.text import error_line
-from ..core.trees import detached_clone, flat_outputs, flattening_context
+from ..core.trees import flattening_context
 from ..core.versions import package_versions
-from ..observe.recorder import Observation
+from ..observe.binding import UnsupportedInput
 from ..observe.store import ModelGroup
 from ..shapes.inference import DimPolicy
 from ..shapes.model import ShapeModel
 from . import patches
 from .graph import GraphCheck, ModelContext
 from .graphs import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
+from .references import references
 from .result import FAILED, PASSED, SKIPPED, GraphResult, ModelResult
 from .settings import CheckSettings
 from .verify import Tolerance
@@ -45,7 +46,8 @@ def safe_name(name: str) -> str:
 
 
 def check_model(group: ModelGroup, settings: CheckSettings, progress: Progress = lambda stage: None) -> ModelResult:
-    """Check one group; never raises (every exception becomes a failed result with its stage)."""
+    """Check one group; never raises.  A failure of a stage is the model's; an exception the
+    engine did not expect is stage ``engine``, kind ``internal``: a bug of the plugin."""
     recorder = group.recorder
     result = ModelResult(
         name=group.name, verdict=FAILED, stage="infer", sources=list(group.sources),
@@ -54,18 +56,36 @@ def check_model(group: ModelGroup, settings: CheckSettings, progress: Progress =
         n_calls=sum(vars(recorder.counts).values()), env=dict(package_versions()),
     )
     if not recorder.num_obs():
-        result.verdict, result.stage = SKIPPED, "observe"
-        result.reason = "no call of the model was observed"
-        if recorder.errors:
-            result.reason += f" ({recorder.counts.failed} calls could not be recorded: {recorder.errors[0]})"
+        _unobserved(result, recorder)
         return result
     try:
         _ModelCheck(group, settings, result, progress).run()
-    except Exception as e:  # the engine's own failures are a verdict too, never a crash
-        result.verdict, result.kind = FAILED, "error"
-        result.reason = error_line(e)
+    except ModelProblem as e:
+        result.verdict, result.stage, result.kind, result.reason = FAILED, e.stage, e.kind, str(e)
+    except Exception as e:
+        result.verdict, result.stage, result.kind = FAILED, "engine", "internal"
+        result.reason = f"internal error of pytest-exportobs, not of the model (please report it): {error_line(e)}"
         result.traceback = "".join(traceback.format_exception(e))
     return result
+
+
+class ModelProblem(Exception):
+    """What the model gives the engine cannot be checked: the ``stage`` and ``kind`` it fails with."""
+
+    def __init__(self, stage: str, kind: str, message: str):
+        super().__init__(message)
+        self.stage, self.kind = stage, kind
+
+
+def _unobserved(result: ModelResult, recorder: Any) -> None:
+    """No call was recorded: skipped when the model was never called, failed when its calls
+    could not be recorded (a cache class that cannot be flattened is no reason to skip)."""
+    result.stage = "observe"
+    if not recorder.counts.failed:
+        result.verdict, result.reason = SKIPPED, "no call of the model was observed"
+        return
+    result.verdict, result.kind = FAILED, "unsupported-input"
+    result.reason = f"none of its {recorder.counts.failed} calls could be recorded: {recorder.errors[0]}"
 
 
 class _ModelCheck:
@@ -76,8 +96,12 @@ class _ModelCheck:
         self.options = group.options
 
     def run(self) -> None:
-        with export_patches(), patches.entered((*self.settings.patches, *self.options.patches)), \
-                flattening_context(), _eval_no_grad(self.group.module):
+        paths = (*self.settings.patches, *self.options.patches)
+        try:
+            factories = [patches.resolve(path) for path in paths]
+        except ValueError as e:  # a patch the user named that cannot be imported
+            raise ModelProblem("infer", "error", f"ValueError: {e}") from e
+        with export_patches(), patches.entered(factories), flattening_context(), _eval_no_grad(self.group.module):
             joint = self._infer()
             context = self._context()
             graphs, unverified = self._check_graphs(joint, context)
@@ -93,10 +117,15 @@ class _ModelCheck:
             roles=(options.dims or self.settings.dims) == "roles",
             dynamic=frozenset(options.dynamic), static=frozenset(options.static),
         )
-        joint = ShapeModel.from_aligned(
-            self.group.recorder.aligned(mixed_constants=True), options.set_batch_dimension_for,
-            options.dim_names, policy,
-        )
+        try:
+            joint = ShapeModel.from_aligned(
+                self.group.recorder.aligned(mixed_constants=True), options.set_batch_dimension_for,
+                options.dim_names, policy,
+            )
+        except UnsupportedInput as e:
+            raise ModelProblem("infer", "unsupported-input", str(e)) from e
+        except (TypeError, ValueError) as e:  # calls that disagree, bad marker options
+            raise ModelProblem("infer", "error", str(e)) from e
         self.result.timings["infer"] = time.perf_counter() - begin
         summary = joint.to_json()
         self.result.dims, self.result.relations, self.result.bounds = summary["dims"], summary["relations"], summary["bounds"]
@@ -105,15 +134,20 @@ class _ModelCheck:
 
     def _context(self) -> ModelContext:
         observations = list(self.group.recorder.observations)
-        references, self.result.reference = self._quiet(lambda: _references(self.group, observations))
+        found = self._quiet(lambda: references(self.group, observations))
+        self.result.reference = found.origin
+        if not any(isinstance(t, torch.Tensor) for outputs in found.outputs for t in outputs):
+            raise ModelProblem(
+                "infer", "unsupported-output", "the model returns no tensor (None or constants only): nothing to export"
+            )
         tolerance = Tolerance(_first(self.options.atol, self.settings.atol), _first(self.options.rtol, self.settings.rtol))
         self.result.atol, self.result.rtol = tolerance.atol, tolerance.rtol
         return ModelContext(
-            module=self.group.module, method=self.options.method, settings=self.settings, tolerance=tolerance,
+            group=self.group, settings=self.settings, tolerance=tolerance,
             examples=_first(self.options.examples, self.settings.examples),
             patches=(*self.settings.patches, *self.options.patches),
             model_dir=self.settings.export_dir / safe_name(self.group.name), observations=observations,
-            references=references, quiet=self._quiet, progress=self.progress,
+            references=found.outputs, quiet=self._quiet, progress=self.progress,
         )
 
     def _check_graphs(self, joint: ShapeModel, context: ModelContext) -> tuple[list[GraphCheck], list[int]]:
@@ -186,22 +220,6 @@ def _summarize(result: ModelResult, graphs: list[GraphResult], unverified: list[
         result.reason = f"calls {unverified} run on no exported graph (they pass {shown}; at most {len(graphs)} graphs)"
     else:
         result.verdict, result.stage = PASSED, graphs[-1].stage
-
-
-def _references(group: ModelGroup, observations: list[Observation]) -> tuple[list[list[Any]], str]:
-    """Eager outputs to compare with: recorded ones when made on the exported instance with its
-    current weights, else recomputed on it now."""
-    references, recomputed = [], 0
-    for obs in observations:
-        if group.is_reference_valid(obs.instance, obs.weights_version):
-            references.append(obs.outputs)
-            continue
-        args, kwargs = detached_clone((obs.args, obs.kwargs))
-        references.append(flat_outputs(getattr(group.module, group.options.method)(*args, **kwargs)))
-        recomputed += 1
-    if not recomputed:
-        return references, "recorded"
-    return references, f"recomputed on the exported instance for {recomputed} of {len(references)} calls"
 
 
 def _xfail_reason(xfail: bool | str | None) -> str:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
 @contextlib.contextmanager
-def entered(paths: tuple[str, ...]) -> Iterator[None]:
-    """Enter the context managers made by the factories at the given dotted paths."""
+def entered(factories: list[Callable[[], contextlib.AbstractContextManager]]) -> Iterator[None]:
+    """Enter the context managers the factories make (see :func:`resolve`)."""
     with contextlib.ExitStack() as stack:
-        for path in paths:
-            stack.enter_context(resolve(path)())
+        for factory in factories:
+            stack.enter_context(factory())
         yield
 
 

@@ -10,18 +10,40 @@ from pathlib import Path
 from ..core.text import first_line
 
 PACKAGE_DIR = str(Path(__file__).parents[1])
+# What a failure mentions -> the known way around it.
+HINTS = {
+    "grouped_mm": 'transformers\' default MoE experts ("grouped_mm") do not translate: build the model with '
+                  'experts_implementation="batched_mm" in its config',
+    "flash_attn": 'flash attention does not export: build the model with attn_implementation="sdpa" (or "eager")',
+    "flex_attention": 'flex attention does not export: build the model with attn_implementation="sdpa" (or "eager")',
+}
 
 
 def one_line_reason(stage: str, error: BaseException) -> str:
     """A single line a user can act on: the message's first line, the unsupported ops of an ONNX
-    translation failure, and the user source line where torch.export failed."""
+    translation failure, the user source line where torch.export failed, and a hint when the
+    failure has a known way around it."""
     message = first_line(str(error)) or type(error).__name__
-    if stage in ("decompose", "onnx-translate"):
-        ops = unsupported_ops(str(error))
-        if ops:
-            return f"no ONNX translation for {', '.join(ops)}"
+    ops = unsupported_ops(str(error)) if stage in ("decompose", "onnx-translate") else []
     location = user_frame(error)
-    return f"{type(error).__name__}: {message}" + (f" (at {location})" if location else "")
+    node = re.search(r"Error when translating node .*?target=torch\.ops\.([\w.]+)", str(error))
+    if ops:
+        reason = f"no ONNX translation for {', '.join(ops)}"
+    elif stage == "onnx-translate" and node:
+        reason = f"{type(error).__name__}: cannot translate {node.group(1)} to ONNX"
+    else:
+        reason = f"{type(error).__name__}: {message}" + (f" (at {location})" if location else "")
+    hint = next((text for key, text in HINTS.items() if key in _full_text(error)), "")
+    return f"{reason}; hint: {hint}" if hint else reason
+
+
+def _full_text(error: BaseException) -> str:
+    """The messages of an error and of its causes."""
+    texts = []
+    while error is not None and len(texts) < 10:
+        texts.append(str(error))
+        error = error.__cause__ or error.__context__
+    return "\n".join(texts)
 
 
 def unsupported_ops(message: str) -> list[str]:

@@ -15,9 +15,10 @@ PASSED, FAILED, SKIPPED, INCOMPLETE = "passed", "failed", "skipped", "incomplete
 
 # Stages in the order a check goes through them; a failure names the stage it stopped at.
 # ``isolate``: the forked process checking the model died (--export-isolate), stage unknown.
+# ``engine``: the plugin itself failed (a bug of pytest-exportobs, never the model's).
 STAGES = (
     "observe", "infer", "torch.export", "decompose", "onnx-translate", "onnx-checker",
-    "ort-load", "verify", "variations", "isolate",
+    "ort-load", "verify", "variations", "isolate", "engine",
 )
 # Stages after which the dynamic dims of a failed check are known (not an early or unknown stop).
 STAGES_WITH_DIMS = STAGES[STAGES.index("torch.export") : STAGES.index("isolate")]
@@ -68,7 +69,9 @@ class ModelResult:
     """Everything known about one model's export check; every field is JSON-native.
 
     ``verdict`` is ``passed``/``failed``/``skipped``/``incomplete``; on failure ``stage`` is the
-    stage that failed, ``kind`` is ``error`` (an exception), ``specialized`` (a dynamic dim became
+    stage that failed, ``kind`` is ``error`` (an exception), ``unsupported-input`` /
+    ``unsupported-output`` (arguments or outputs torch.export cannot take), ``internal`` (a bug of
+    the plugin), ``specialized`` (a dynamic dim became
     a constant), ``unverified`` (calls no exported graph can run), ``mismatch`` (numbers beyond
     tolerance), ``outputs`` (output count or shape differs), ``variation`` (a generated shape
     fails) or ``incomplete`` (the process checking it died).  A model passes when every graph in

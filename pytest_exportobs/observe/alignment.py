@@ -19,7 +19,9 @@ import torch
 from torch.utils import _pytree
 
 from ..core.strings import string_type
-from .binding import CONSTANT_TYPES, bind_all, is_absent, missing_by_name, per_call_constants, uniform_constant
+from .binding import (
+    CONSTANT_TYPES, UnsupportedInput, bind_all, is_absent, missing_by_name, per_call_constants, uniform_constant,
+)
 from ..core.trees import spec_structure
 
 SEQUENCE_AXIS_BY_RANK = {1: 0, 2: 1, 3: 1, 4: 2}
@@ -264,6 +266,10 @@ def _flatten_slot(name: str, values: list[Any]) -> tuple[_pytree.TreeSpec, list[
     """The common pytree spec of a slot, each call's leaves (``None`` where absent) and the
     value with most leaves."""
     flats = [None if is_absent(v) else _pytree.tree_flatten(v) for v in values]
+    for flat in flats:
+        unsupported = next((leaf for leaf in (flat[0] if flat else []) if not _exportable(leaf)), None)
+        if unsupported is not None:
+            raise UnsupportedInput(name, unsupported)
     reference = max(range(len(values)), key=lambda i: -1 if flats[i] is None else flats[i][1].num_leaves)
     spec = flats[reference][1]
     for i, flat in enumerate(flats):
@@ -275,6 +281,10 @@ def _flatten_slot(name: str, values: list[Any]) -> tuple[_pytree.TreeSpec, list[
             )
     leaves = [[None] * spec.num_leaves if flat is None else flat[0] for flat in flats]
     return spec, leaves, values[reference]
+
+
+def _exportable(leaf: Any) -> bool:
+    return leaf is None or isinstance(leaf, (torch.Tensor, *CONSTANT_TYPES))
 
 
 def _leaf_names(name: str, value: Any) -> tuple[str, ...]:

@@ -19,6 +19,17 @@ from ..core.strings import string_type
 CONSTANT_TYPES = (int, float, bool, str)
 
 
+class UnsupportedInput(TypeError):
+    """An argument torch.export cannot take (a numpy array, an object of an unregistered class)."""
+
+    def __init__(self, name: str, value: Any):
+        super().__init__(
+            f"argument {name!r} holds a {type(value).__module__}.{type(value).__qualname__}: torch.export takes "
+            "tensors, numbers, strings and pytrees of them; convert it where the model is called "
+            "(torch.from_numpy for a numpy array) or register its class with torch.utils._pytree"
+        )
+
+
 @dataclass
 class SlotValues:
     """The values one argument took over the calls (``None`` when absent)."""

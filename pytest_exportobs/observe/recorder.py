@@ -32,6 +32,7 @@ class Observation:
     source: str = ""
     instance: int = 0
     weights_version: int = 0
+    training: bool = False  # the module was in training mode (dropout...) during the call
 
 
 @dataclass
@@ -188,6 +189,7 @@ class CallRecorder:
                     source=self.source,
                     instance=id(model),
                     weights_version=weights_version(model),
+                    training=model.training,
                 )
             except Exception as e:
                 self._count_failed(e)
