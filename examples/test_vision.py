@@ -1,4 +1,4 @@
-"""A small convolutional classifier that accepts images of any size."""
+"""Vision models: classifiers checked on one image, a UNet on latents of two sizes."""
 
 from __future__ import annotations
 
@@ -6,21 +6,24 @@ import pytest
 import torch
 
 
-@pytest.mark.observe_export("convnet")
-@pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize(("height", "width"), [(32, 32), (48, 64), (40, 24)])
-def test_convnet_any_image_size(convnet, batch, height, width):
-    torch.manual_seed(height * width)
-    logits = convnet(torch.randn(batch, 3, height, width))
-    assert logits.shape == (batch, 10)
-    assert torch.isfinite(logits).all()
+@pytest.mark.observe_export("vit")
+def test_vit_classifies_one_image(vit):
+    assert vit(pixel_values=torch.randn(1, 3, 32, 32)).logits.shape == (1, 10)
 
 
-def test_convnet_predictions_do_not_depend_on_the_batch(convnet, export_observer):
-    """Explicit observation through the export_observer fixture (same effect as the marker)."""
-    model = export_observer.watch(convnet, name="convnet")
-    torch.manual_seed(0)
-    images = torch.randn(3, 3, 56, 56)
-    together = model(images)
-    one_by_one = torch.cat([model(image[None]) for image in images])
-    torch.testing.assert_close(together, one_by_one, atol=1e-5, rtol=1e-5)
+@pytest.mark.observe_export("resnet")
+def test_resnet_classifies_one_image(resnet):
+    assert resnet(pixel_values=torch.randn(1, 3, 32, 32)).logits.shape == (1, 10)
+
+
+@pytest.mark.observe_export("small_cnn")
+@pytest.mark.parametrize("size", [32, 48])
+def test_small_cnn_any_resolution(small_cnn, size):
+    assert small_cnn(torch.randn(2, 3, size, size)).shape == (2, 4)
+
+
+@pytest.mark.observe_export("unet")
+@pytest.mark.parametrize("side", [16, 24])
+def test_unet_keeps_the_latent_shape(unet, side):
+    latents = torch.randn(2, 4, side, side)
+    assert unet(latents).shape == latents.shape

@@ -6,8 +6,6 @@ import pytest
 
 from models import tiny_llama_config
 
-collect_ignore = ["realistic"]  # a user project of its own, run by test_realistic.py
-
 
 @pytest.fixture(scope="module")
 def tiny_llama():

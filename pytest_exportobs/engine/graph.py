@@ -29,7 +29,7 @@ from .repro import write_repro
 from .result import PASSED, GraphResult
 from .settings import CheckSettings
 from .variations import explore
-from .verify import OnnxRunner, OutputLayout, Tolerance, program_runner, verify_calls
+from .verify import Discrepancy, OnnxRunner, OutputLayout, Tolerance, program_runner, verify_calls
 
 T = TypeVar("T")
 Runner = Callable[[list[Any]], list[Any]]
@@ -159,20 +159,15 @@ class GraphCheck:
         leaves = [self.shapes.call_leaves(i) for i in range(len(self.plan.calls))]
         references = [context.references[c] for c in self.plan.calls]
         found = context.quiet(lambda: verify_calls(self.runner, leaves, references, context.tolerance, self.layout))
-        padded = [d for d in found if d.n_padded]
-        if padded:
-            result.notes.append(
-                f"calls {[self.plan.calls[d.index] for d in padded]}: {sum(d.n_padded for d in padded)} values beyond "
-                f"tolerance only in cache entries at padded positions (max |Δ| {max(d.padded_max_abs for d in padded):.3g}), "
-                "which attention never reads: tolerated"
-            )
         result.timings["verify"] = time.perf_counter() - begin
-        result.discrepancies = [d.to_json() | {"index": self.plan.calls[d.index]} for d in found]
-        result.max_abs = _finite_max(d.max_abs for d in found)
-        result.max_rel = _finite_max(d.max_rel for d in found)
+        self._note_padded(found)
         stood_in = {i for i in range(len(self.plan.calls)) if None in self.shapes.aligned.calls[i]}
         self.split = [self.plan.calls[d.index] for d in found if not d.ok and d.index in stood_in]
         result.calls = [c for c in result.calls if c not in self.split]
+        kept = [d for d in found if self.plan.calls[d.index] not in self.split]
+        result.discrepancies = [d.to_json() | {"index": self.plan.calls[d.index]} for d in kept]
+        result.max_abs = _finite_max(d.max_abs for d in kept)
+        result.max_rel = _finite_max(d.max_rel for d in kept)
         bad = [d for d in found if not d.ok and d.index not in stood_in]
         if not bad:
             return True
@@ -189,6 +184,15 @@ class GraphCheck:
             f", max |Δ| {worst.max_abs:.3g}" if worst.kind == "mismatch" else "")
         self._repro(leaves[worst.index])
         return False
+
+    def _note_padded(self, found: list[Discrepancy]) -> None:
+        padded = [d for d in found if d.n_padded]
+        if padded:
+            self.result.notes.append(
+                f"calls {[self.plan.calls[d.index] for d in padded]}: {sum(d.n_padded for d in padded)} values beyond "
+                f"tolerance only in cache entries at padded positions (max |Δ| {max(d.padded_max_abs for d in padded):.3g}), "
+                "which attention never reads: tolerated"
+            )
 
     def _reference_problem(self, call: int) -> str:
         """Before blaming a mismatch on the export, check that eager gives the reference again

@@ -1,5 +1,6 @@
 """What an expert's hand-written export says of each model of this project, decided without the
 plugin, and the deployment inputs (sizes the tests never used) each passing model must serve.
+The plugin's own test suite (tests/test_examples.py) checks both; this file is not a test.
 
 ``HELD_OUT[name](model)`` returns keyword calls; each must run on one of the model's ONNX graphs
 (the graph whose inputs are exactly the call's tensors) and match eager.
@@ -59,6 +60,16 @@ def decoder_calls(mask: bool = True, positions: bool = False) -> Callable[[torch
         return found
 
     return calls
+
+
+def static_cache_calls(model: torch.nn.Module) -> list[Call]:
+    """Calls at other batch sizes and new-token counts, on the model's max_cache_len."""
+    from pytest_exportobs import get_untrained_model_with_inputs
+
+    return [
+        get_untrained_model_with_inputs(model.config, inputs_kwargs=dict(cls_cache="StaticCache", batch_size=b, seq_len=s))["inputs"]
+        for b, s in [(4, 2), (1, 5)]
+    ]
 
 
 def qwen2_calls(model: torch.nn.Module) -> list[Call]:
@@ -127,6 +138,7 @@ EXPECTED: dict[str, Expected] = {
     "llama_greedy": Expected("passed", dynamic=LLM),
     "llama": Expected("passed", dynamic={**LLM, "attention_mask": (0, 1)}, relations=("total_seq = past_seq + seq",)),
     "llama_generate": Expected("passed", dynamic={**LLM, "attention_mask": (0, 1)}),
+    "static_llama": Expected("passed", dynamic={"input_ids": (0, 1), "past_key_values.key_0": (0,)}),
     "qwen2": Expected("passed", dynamic={"input_ids": (0, 1), "labels": (0, 1)}),
     "gpt2": Expected("passed", dynamic={**LLM, "attention_mask": (0, 1)}),
     "gemma": Expected("passed", dynamic={**LLM, "attention_mask": (0, 1)}),
@@ -150,7 +162,8 @@ EXPECTED: dict[str, Expected] = {
 }
 
 BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
-    "llama_greedy": zoo.llama, "llama": zoo.llama, "llama_generate": zoo.llama, "qwen2": zoo.qwen2,
+    "llama_greedy": zoo.llama, "llama": zoo.llama, "llama_generate": zoo.llama, "static_llama": zoo.static_llama,
+    "qwen2": zoo.qwen2,
     "gpt2": zoo.gpt2, "gemma": zoo.gemma, "mistral": zoo.mistral, "roberta": zoo.roberta,
     "bert": zoo.bert_classifier, "text_encoder": lambda: zoo.seeded(zoo.TextEncoder),
     "pooler": lambda: zoo.seeded(zoo.MaskedMeanPool), "t5": zoo.t5, "whisper": zoo.whisper, "vit": zoo.vit,
@@ -162,6 +175,7 @@ HELD_OUT: dict[str, Callable[[torch.nn.Module], list[Call]]] = {
     "llama_greedy": decoder_calls(mask=False),
     "llama": decoder_calls(),
     "llama_generate": decoder_calls(positions=True),
+    "static_llama": static_cache_calls,
     "qwen2": qwen2_calls,
     "gpt2": decoder_calls(positions=True),
     "gemma": decoder_calls(positions=True),

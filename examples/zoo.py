@@ -31,6 +31,17 @@ def llama() -> torch.nn.Module:
     return seeded(lambda: transformers.LlamaForCausalLM(decoder_config(transformers.LlamaConfig)))
 
 
+def static_llama() -> torch.nn.Module:
+    """A Llama configured for a StaticCache, built by pytest_exportobs' own helper."""
+    from pytest_exportobs import get_untrained_model_with_inputs
+
+    torch.manual_seed(0)
+    return get_untrained_model_with_inputs(
+        transformers.LlamaConfig(), model_kwargs=dict(cache_implementation="static"),
+        inputs_kwargs=dict(cls_cache="StaticCache"),
+    )["model"]
+
+
 def qwen2() -> torch.nn.Module:
     return seeded(lambda: transformers.Qwen2ForCausalLM(decoder_config(transformers.Qwen2Config)))
 

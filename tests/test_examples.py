@@ -1,6 +1,6 @@
-"""The verdict on a realistic suite (tests/realistic/, written as ML engineers write tests): every
-model's outcome in junitxml equals the expert's (tests/realistic/expectations.py), and every
-ONNX graph of a passing model serves deployment inputs the tests never used.
+"""The verdict on the example suite (examples/, tests written as ML engineers write them): every
+model's outcome in junitxml equals the expert's (examples/expectations.py), and every ONNX graph
+of a passing model serves deployment inputs the tests never used.
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ import pytest
 import torch
 from torch.utils import _pytree
 
-REALISTIC = Path(__file__).parent / "realistic"
-sys.path.insert(0, str(REALISTIC))
+EXAMPLES = Path(__file__).parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
 expectations = importlib.import_module("expectations")
-sys.path.remove(str(REALISTIC))
+sys.path.remove(str(EXAMPLES))
 
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The realistic project run once with the export check: junitxml outcomes (the testcases of
+    """The example project run once with the export check (no baseline: each verdict on its own): junitxml outcomes (the testcases of
     class ``exportobs``, one per model) and the JSON report."""
-    project = tmp_path_factory.mktemp("realistic")
-    shutil.copytree(REALISTIC, project, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".exportobs", "__pycache__"))
+    project = tmp_path_factory.mktemp("examples")
+    shutil.copytree(EXAMPLES, project, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".exportobs", "__pycache__", "export-baseline.json"))
     command = [
         sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--export-check", "--junitxml=junit.xml",
         "--export-report=report.json", "-q",
