@@ -96,3 +96,25 @@ def example_arguments(shapes: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
     with flattening_context():
         return shapes.aligned.split_arguments(example_leaves(shapes))
+
+
+class Good(torch.nn.Module):
+    """Exportable; the same parameters as :class:`Bad`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class Bad(torch.nn.Module):
+    """Not exportable (a branch on values); the same parameters as :class:`Good`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) if x.sum() > 0 else x

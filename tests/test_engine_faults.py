@@ -1,0 +1,134 @@
+"""The engine on models that make checking hard: what is the model's, what is the plugin's,
+and references eager itself does not reproduce (no pytest session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models import MLP, Bad, Good
+
+from pytest_exportobs.engine.check import check_model
+from pytest_exportobs.engine.reasons import one_line_reason
+from pytest_exportobs.engine.settings import CheckSettings
+from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
+
+
+def observed(module: torch.nn.Module, *calls: tuple, between=None) -> ModelGroup:
+    """Group of ``module`` after the calls; ``between(module)`` runs after the first call."""
+    store = SessionStore()
+    with store.observe(module, "model", ObserveOptions(), "test_engine_faults.py::test") as group:
+        for index, args in enumerate(calls):
+            module(*args)
+            if between is not None and index == 0:
+                between(module)
+    return group
+
+
+def check(group: ModelGroup, directory: Path) -> tuple[str, str, str, str]:
+    result = check_model(group, CheckSettings(export_dir=directory, examples=0))
+    return result.verdict, result.stage, result.kind, result.reason
+
+
+def test_two_classes_with_equal_weights_never_share_a_cache_entry(tmp_path: Path) -> None:
+    good, bad = Good(), Bad()
+    bad.load_state_dict(good.state_dict())
+    calls = [(torch.ones(2, 4),), (torch.ones(3, 4),)]
+    assert check(observed(good, *calls), tmp_path)[:3] == ("passed", "verify", "")
+    for _ in range(2):  # the second run finds good's entry in the cache, never uses it for bad
+        verdict, stage, kind, reason = check(observed(bad, *calls), tmp_path)
+        assert (verdict, stage, kind) == ("failed", "torch.export", "error")
+        assert reason.startswith("GuardOnDataDependentSymNode")
+
+
+def test_a_numpy_argument_is_named_with_what_to_do(tmp_path: Path) -> None:
+    class Scales(torch.nn.Module):
+        def forward(self, x: torch.Tensor, scale: np.ndarray) -> torch.Tensor:
+            return x * float(scale.sum())
+
+    assert check(observed(Scales(), (torch.randn(2, 3), np.ones(3))), tmp_path) == (
+        "failed", "infer", "unsupported-input",
+        "argument 'scale' holds a numpy.ndarray: torch.export takes tensors, numbers, strings and pytrees of "
+        "them; convert it where the model is called (torch.from_numpy for a numpy array) or register its class "
+        "with torch.utils._pytree",
+    )
+
+
+def test_a_model_returning_none_has_nothing_to_export(tmp_path: Path) -> None:
+    class Logger(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> None:
+            return None
+
+    assert check(observed(Logger(), (torch.randn(2, 3),)), tmp_path) == (
+        "failed", "infer", "unsupported-output", "the model returns no tensor (None or constants only): nothing to export",
+    )
+
+
+def test_a_bug_of_the_engine_is_not_blamed_on_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(aligned):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr("pytest_exportobs.engine.check.plan_graphs", broken)
+    result = check_model(observed(MLP(), (torch.randn(2, 8),)), CheckSettings(export_dir=tmp_path, examples=0))
+    assert (result.verdict, result.stage, result.kind) == ("failed", "engine", "internal")
+    assert result.reason == "internal error of pytest-exportobs, not of the model (please report it): KeyError: 'a bug'"
+    assert "in broken" in result.traceback
+
+
+class Noisy(torch.nn.Module):
+    """Adds noise: two eager runs never agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + torch.randn_like(x)
+
+
+def test_eager_that_does_not_reproduce_itself_is_nondeterministic_not_a_mismatch(tmp_path: Path) -> None:
+    verdict, stage, kind, reason = check(observed(Noisy().eval(), (torch.randn(2, 4),), (torch.randn(3, 4),)), tmp_path)
+    assert (verdict, stage, kind) == ("failed", "verify", "nondeterministic")
+    assert reason.startswith("call ") and "two eager runs differ" in reason
+
+
+def test_calls_observed_in_training_mode_are_judged_in_eval_mode(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).train()
+    group = observed(model, (torch.randn(2, 4),), (torch.randn(3, 4),))
+    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0))
+    assert (result.verdict, result.reference) == (
+        "passed", "recomputed on the exported instance for 2 of 2 calls, 2 observed in training mode (eval used)")
+    assert model.training  # the check restores the mode the tests left
+
+
+def test_weights_changed_through_data_after_a_call_recompute_the_references(tmp_path: Path) -> None:
+    model = MLP().eval()
+    group = observed(model, (torch.randn(2, 8),), (torch.randn(3, 8),), between=lambda m: m.l1.weight.data.add_(1.0))
+    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0))
+    assert result.verdict == "passed", result.reason
+    assert result.notes == [
+        "references recomputed on the exported instance for every call: eager no longer gave the recorded outputs "
+        "(weights or state changed after the calls)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "message, hint",
+    [
+        ("Error when translating node %grouped_mm_fallback : call_function[target=torch.ops.transformers.grouped_mm_fallback.default]",
+         'ConversionError: cannot translate transformers.grouped_mm_fallback.default to ONNX; hint: transformers\' default '
+         'MoE experts ("grouped_mm") do not translate: build the model with experts_implementation="batched_mm" in its config'),
+        ("flash_attn is not supported by torch.export",
+         'ConversionError: flash_attn is not supported by torch.export; hint: flash attention does not export: build the '
+         'model with attn_implementation="sdpa" (or "eager")'),
+    ],
+)
+def test_known_export_blockers_get_a_hint(message: str, hint: str) -> None:
+    class ConversionError(Exception):
+        pass
+
+    assert one_line_reason("onnx-translate", ConversionError(message)) == hint
