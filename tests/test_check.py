@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import models
-from models import MLP, Branchy, ConvNet
+from models import MLP, Branchy, ConvNet, HalvingUNet
 
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.engine.check import check_model
@@ -302,3 +302,27 @@ def test_export_patches_wrap_export_and_verification(tmp_path: Path) -> None:
     broken = check_model(group, settings(tmp_path, patches=("no_such_module.patch",)))
     assert broken.verdict == "failed"
     assert broken.reason == "ValueError: export patch 'no_such_module.patch' cannot be imported: No module named 'no_such_module'"
+
+
+def test_sides_torch_restricts_to_even_sizes_stay_even_in_variations(tmp_path: Path) -> None:
+    group = observed(HalvingUNet().eval(), (torch.randn(2, 4, 16, 16),), (torch.randn(2, 4, 24, 20),))
+    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=12, hypothesis_seed=0))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"latents": {"0": "batch", "2": "height", "3": "width"}}
+    assert sorted(result.relations) == ["height = 2*height_half", "width = 2*width_half"]
+    tried = result.graphs[0].variations["examples"]
+    assert len(tried) > 1 and all(set(sizes) == {"batch", "height_half", "width_half"} for sizes in tried)
+
+
+def test_a_dim_torch_turns_into_a_constant_fails_as_specialized_with_the_line(tmp_path: Path) -> None:
+    class FirstRowsOnly(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] == 3:  # fine in eager for any batch, pins it in a graph
+                return x[:1].expand(3, -1)
+            return x
+
+    result = check_model(observed(FirstRowsOnly(), (torch.randn(3, 4),)), settings(tmp_path))
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "if x.shape[0] == 3" in text)
+    assert (result.verdict, result.stage, result.kind) == ("failed", "torch.export", "specialized")
+    assert result.reason.startswith("batch (x.0, a deployment varies it) ")
+    assert result.reason.endswith(f"by torch.export at tests/test_check.py:{line}: if x.shape[0] == 3:  # fine in eager for any batch, pins it in a graph")

@@ -92,11 +92,25 @@ def read_dims(shapes: ShapeModel, inputs: list[int], read: list[Shape], names: d
     return dims
 
 
-def refinements(shapes: ShapeModel, inputs: list[int], read: list[Shape]) -> tuple[dict[str, str], list[list[Any]]]:
-    """What torch proved about the variables, from the program's input shapes: variables whose
-    axes share one symbol are equal (``["merge", name, into]``), a variable whose axes read
-    ``c*s`` is a multiple of ``c`` (``["scale", name, c]``).  Also the name of every symbol and
-    expression (for the ONNX axis names)."""
+def deferred_asserts(program: torch.export.ExportedProgram) -> list[sympy.Basic]:
+    """The conditions the program asserts at run time (``Eq(s75, 2*((s75 - 1)//2) + 2)``)."""
+    found = []
+    for node in program.graph.nodes:
+        if node.target is torch.ops.aten._assert_scalar.default and isinstance(node.args[0], torch.fx.Node):
+            value = node.args[0].meta.get("val")
+            if isinstance(value, torch.SymBool):
+                found.append(value.node.expr)
+    return found
+
+
+def refinements(
+    shapes: ShapeModel, inputs: list[int], read: list[Shape], asserts: list[sympy.Basic] = ()
+) -> tuple[dict[str, str], list[list[Any]]]:
+    """What torch proved or asserts about the variables, from the program's input shapes and
+    runtime asserts: variables whose axes share one symbol are equal (``["merge", name,
+    into]``), a variable whose axes read ``c*s``, or whose symbol torch asserts to be a multiple
+    of ``c``, is one (``["scale", name, c]``).  Also the name of every symbol and expression
+    (for the ONNX axis names)."""
     position = {leaf: i for i, leaf in enumerate(inputs)}
     names: dict[str, str] = {}
     found: list[list[Any]] = []
@@ -110,6 +124,8 @@ def refinements(shapes: ShapeModel, inputs: list[int], read: list[Shape]) -> tup
             owner = names.setdefault(str(expr), var.name)
             if owner != var.name:
                 found.append(["merge", var.name, owner])
+            elif (divisor := _asserted_divisor(expr, asserts)) is not None:
+                found.append(["scale", var.name, divisor])
         elif scaled is not None:
             symbol, scale = scaled
             names.setdefault(str(symbol), _scaled_name(var.name, scale))
@@ -134,6 +150,22 @@ def apply_refinements(shapes: ShapeModel, found: list[list[Any]]) -> list[str]:
 
 def _scaled_name(name: str, scale: int) -> str:
     return f"{name}_half" if scale == 2 else f"{name}_div{scale}"
+
+
+def _asserted_divisor(symbol: sympy.Symbol, asserts: list[sympy.Basic]) -> int | None:
+    """The smallest ``c`` such that the asserts on ``symbol`` alone hold for its multiples of
+    ``c`` and fail for another size (what a stride-2 layer with a skip connection asserts)."""
+    own = [a for a in asserts if a.free_symbols == {symbol}]
+    if not own:
+        return None
+
+    def holds(size: int) -> bool:
+        return all(bool(a.subs(symbol, size)) for a in own)
+
+    for divisor in (2, 3, 4, 8, 16, 32):
+        if all(holds(divisor * k) for k in range(1, 9)) and not all(holds(size) for size in range(2, 4 * divisor)):
+            return divisor
+    return None
 
 
 def _scaled_symbol(expr: sympy.Expr) -> tuple[sympy.Symbol, int] | None:

@@ -26,7 +26,7 @@ from ..shapes.model import ShapeModel
 from ..shapes.synthesis import example_leaves
 from .bound import bind_constants
 from .cache import CacheEntry, ExportCache
-from .domain import Shape, apply_refinements, onnx_shapes, program_shapes, read_dims, refinements
+from .domain import Shape, apply_refinements, deferred_asserts, onnx_shapes, program_shapes, read_dims, refinements
 from .reasons import one_line_reason
 from .tracing import Accepts, Example, Specialized, trace
 
@@ -148,7 +148,7 @@ def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> Example:
 def _refine(shapes: ShapeModel, read: list[Shape], outcome: ExportOutcome) -> dict[str, str]:
     """Refine the shape model from the program's input shapes; the names of its symbols."""
     inputs = outcome.example.inputs
-    names, outcome.refinements = refinements(shapes, inputs, read)
+    names, outcome.refinements = refinements(shapes, inputs, read, deferred_asserts(outcome.program))
     outcome.notes.extend(apply_refinements(shapes, outcome.refinements))
     for var in shapes.variables:  # every other symbol of an input axis is named after its variable
         for leaf, dim in var.axes:

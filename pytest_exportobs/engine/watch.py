@@ -67,10 +67,18 @@ class SpecializationWatch(logging.Handler):
         return next((line for guard, line in self.guards.get(symbol, []) if "<" in guard or ">" in guard), "")
 
     def location_of(self, value: int, input_names: list[str]) -> str:
-        """The user line that made a size of one of ``input_names`` the constant ``value``."""
+        """The user line that made a size of one of ``input_names`` the constant ``value``: of
+        the replacement torch made, else of a guard pinning one of their sizes to it."""
         matching = [s for s in self.found if s.value == value and s.location]
         named = [s for s in matching if any(f"['{name}']" in s.source for name in input_names)]
-        return (named or matching)[0].location if (named or matching) else ""
+        if named or matching:
+            return (named or matching)[0].location
+        pinned = [
+            line for symbol, guards in self.guards.items()
+            if any(f"['{name}']" in self.sources.get(symbol, "") for name in input_names)
+            for guard, line in guards if _mentions(guard, str(value))
+        ]
+        return pinned[0] if pinned else ""
 
 
 @contextmanager
