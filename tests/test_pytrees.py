@@ -67,7 +67,7 @@ def test_dynamic_cache_key_paths_name_the_tensors(cache_utils):
         paths = [
             path for path, _ in pytree.tree_flatten_with_path(make_dynamic_cache(kv_pairs(1)))[0]
         ]
-    assert [pytree.keystr(p) for p in paths] == ["['key_0']", "['value_0']"]
+    assert [pytree.keystr(p) for p in paths] == [".key_0", ".value_0"]
 
 
 @pytest.mark.parametrize("kind", ["no layers", "layers not filled yet"])
@@ -197,7 +197,7 @@ def test_make_dynamic_cache_with_mixed_layer_classes_round_trips(cache_utils):
         leaves, spec = pytree.tree_flatten(cache)
         paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(cache)[0]]
         rebuilt = pytree.tree_unflatten(leaves, spec)
-    assert paths == ["['key_0']", "['value_0']", "['key_1']", "['value_1']"]
+    assert paths == [".key_0", ".value_0", ".key_1", ".value_1"]
     assert [type(layer) for layer in rebuilt.layers] == classes
     assert rebuilt.layers[1].sliding_window == 12
     assert_same_tensors(leaves, flat(pairs))

@@ -17,6 +17,7 @@ from ..core.trees import flattening_context
 from ..engine.verify import OnnxRunner, Tolerance, verify_calls
 from ..observe.recorder import CallRecorder, Observation
 from ..shapes.model import ShapeModel
+from ..shapes.spec import spec_api, to_shapes_spec
 from .dim_names import LLM, is_per_input, llm_names, names_per_input
 from .errors import ObserverError, ObserverIndexError, user_errors
 from .removal import without_inputs
@@ -59,7 +60,8 @@ class InputObserver(CallRecorder):
 
     # -- inference ------------------------------------------------------------------------------
     def infer_dynamic_shapes(
-        self, set_batch_dimension_for: bool | set[int | str] | None = None, dim_names: DimNames = None
+        self, set_batch_dimension_for: bool | set[int | str] | None = None, dim_names: DimNames = None,
+        as_spec: bool = False,
     ) -> Arguments:
         """Dynamic shapes for ``torch.export.export`` inferred from the recorded calls.
 
@@ -74,7 +76,13 @@ class InputObserver(CallRecorder):
           (``batch_size``, ``sequence_length``, ``past_sequence_length`` ...);
         * ``{input name or position: {axis: name}}`` (yobx): those names as strings, any
           other dynamic axis ``<input>_dim_<axis>``.
+
+        ``as_spec=True`` (torch >= 2.14) returns a ``torch.fx.experimental.dynamic_spec``
+        ``ShapesSpec`` instead: one ``ShapeVar`` per dimension and the relations as expressions
+        (``attention_mask`` of length ``past_seq + seq``), which the exported program checks.
         """
+        if as_spec:
+            return self._shapes_spec(set_batch_dimension_for)
         if isinstance(dim_names, str) and dim_names != LLM:
             raise ObserverError(f"dim_names={dim_names!r}: expected None, True, {LLM!r} or a dict")
         per_input = is_per_input(dim_names)
@@ -91,6 +99,15 @@ class InputObserver(CallRecorder):
                     dynamic_shapes, dim_names, list(self.signature.parameters), shapes.aligned.kwargs_name
                 )
         return dynamic_shapes
+
+    def _shapes_spec(self, set_batch_dimension_for: bool | set[int | str] | None) -> Any:
+        if spec_api() is None:
+            raise ObserverError(
+                f"as_spec=True needs torch >= 2.14 (torch.fx.experimental.dynamic_spec); this is torch {torch.__version__}"
+            )
+        shapes = self._shape_model(set_batch_dimension_for, True)
+        with flattening_context():
+            return to_shapes_spec(shapes)
 
     def infer_arguments(
         self,

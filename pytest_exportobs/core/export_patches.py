@@ -13,7 +13,10 @@ Observing ``model.generate(...)`` records calls that ``torch.export.export`` and
   :func:`explicit_attention_masks` makes transformers always build the mask and attends with it,
   which is what eager computes, without deciding on the sequence length.
 
-:func:`export_patches` enters both; the second only when transformers is imported.
+:func:`unbacked_cache_lengths` reads a cache's length without testing whether it holds values,
+a data-dependent branch on the unbacked sizes of a ``ShapesSpec`` export (torch >= 2.14).
+
+:func:`export_patches` enters them all; the transformers ones only when transformers is imported.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def export_patches() -> Iterator[None]:
         stack.enter_context(nested_var_keywords())
         if "transformers" in sys.modules:
             stack.enter_context(explicit_attention_masks())
+            stack.enter_context(unbacked_cache_lengths())
         yield
 
 
@@ -106,6 +110,27 @@ def explicit_attention_masks() -> Iterator[None]:
             ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
         else:
             del ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+@contextlib.contextmanager
+def unbacked_cache_lengths() -> Iterator[None]:
+    """``DynamicLayer.get_seq_length`` without ``keys.numel() == 0``: a data-dependent guard on
+    the unbacked sizes of a ``ShapesSpec`` export; the length of the keys is the same answer."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    layer = getattr(cache_utils, "DynamicLayer", None)
+    if layer is None or "get_seq_length" not in vars(layer):
+        yield
+        return
+    original = layer.get_seq_length
+    layer.get_seq_length = _seq_length
+    try:
+        yield
+    finally:
+        layer.get_seq_length = original
+
+
+def _seq_length(self: Any) -> int:
+    return self.keys.shape[-2] if self.is_initialized else 0
 
 
 _HANDLED_BY_SDPA = ("position_bias", "cache", "softcap")  # arguments transformers' SDPA uses specially

@@ -292,7 +292,9 @@ def _unflatten_encoder_decoder_cache(children: Sequence[Any], context: list[str]
 def _with_keys(flatten: Flatten) -> Callable[[Any], tuple[list[tuple[Any, Any]], list[str]]]:
     def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
         children, context = flatten(obj)
-        keys = [pytree.MappingKey(n) for n in _names(context)]
+        # attribute keys: torch's ShapesSpec (torch >= 2.14) addresses a registered class's
+        # children with ObjectSpec, which matches them by GetAttrKey name
+        keys = [pytree.GetAttrKey(n) for n in _names(context)]
         return list(zip(keys, children, strict=True)), context
 
     return flatten_with_keys

@@ -57,6 +57,8 @@ class ExportOutcome:
     dims: dict[str, dict[str, str]] = field(default_factory=dict)
     refinements: list[list[Any]] = field(default_factory=list)  # what torch proved (engine.domain)
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
+    dims_form: str = ""  # how torch was given the dims: ShapesSpec (torch >= 2.14) or Dim
+    program_path: str = ""  # the ExportedProgram saved (target torch)
 
 
 class StageFailed(Exception):
@@ -106,12 +108,17 @@ def export_model(
             return outcome
     try:
         with stages.run("torch.export"):
-            program = trace(exported, shapes, outcome.example, not outcome.bound, outcome.notes, accepts)
+            program, outcome.dims_form = trace(exported, shapes, outcome.example, not outcome.bound, outcome.notes, accepts)
         outcome.program = program
         outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
         names = _refine(shapes, program_shapes(program), outcome)
         if target == "torch":
             outcome.dims = read_dims(shapes, outcome.example.inputs, program_shapes(program), names)
+            with stages.run("torch.export"):
+                onnx_path.parent.mkdir(parents=True, exist_ok=True)
+                program.example_inputs = None  # a cache among them would need allow-listed classes to load
+                torch.export.save(program, onnx_path.with_suffix(".pt2"))
+            outcome.program_path = str(onnx_path.with_suffix(".pt2"))
             return outcome
         _to_onnx(stages, program, names, onnx_path, outcome)
         outcome.dims = _onnx_dims(shapes, onnx_path, outcome)

@@ -47,6 +47,8 @@ class GraphResult:
     dim_sources: dict[str, str] = field(default_factory=dict)
     bounds: dict[str, list[int]] = field(default_factory=dict)
     onnx_path: str = ""
+    program_path: str = ""  # the ExportedProgram (.pt2) with --export-target torch
+    dims_form: str = ""  # how torch was given the dims: ShapesSpec (torch >= 2.14, relations checked) or Dim
     cache_hit: bool = False
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)

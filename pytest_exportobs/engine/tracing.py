@@ -19,12 +19,14 @@ from typing import Any
 
 import torch
 
-from ..core.text import first_line
+from ..core.text import error_line, first_line
 from ..shapes.model import ShapeModel
+from ..shapes.spec import spec_api, to_shapes_spec
 from .domain import program_shapes, static_axes, upper_bounds
 from .watch import SpecializationWatch, watching
 
 MAX_ATTEMPTS = 4  # exports tried with refined dims before giving up on named dims
+SPEC_NOTE = "dims as a torch ShapesSpec"
 _DEFERRED_ASSERTS = "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(torch.export.export).parameters
 Accepts = Callable[[str, int], bool]  # whether eager runs with a variable at a size
 
@@ -56,14 +58,18 @@ class Example:
 def trace(
     module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, notes: list[str],
     accepts: Accepts,
-) -> torch.export.ExportedProgram:
+) -> tuple[torch.export.ExportedProgram, str]:
     """``torch.export.export`` of ``module`` on the example with the shape model's named dims,
     refined with torch's suggested fixes, captured as ``torch.onnx.export`` captures (see
     :func:`capturing`).  A dim the program still has as a constant is checked like a suggested
     constant; a demanded dim torch bounds above is a :class:`Specialized` failure when eager
-    ``accepts`` (variable name, size) the next size.  Raises it, or torch's error."""
+    ``accepts`` (variable name, size) the next size.  Returns the program and the form its dims
+    were given in (``ShapesSpec`` or ``Dim``).  Raises :class:`Specialized`, or torch's error."""
     with capturing(), watching() as watch:
-        program = _export(module, shapes, example, constants, watch, notes)
+        program = _spec_export(module, shapes, example, constants, notes) if spec_api() is not None else None
+        form = "Dim" if program is None else "ShapesSpec"
+        if program is None:
+            program = _export(module, shapes, example, constants, watch, notes)
         read = program_shapes(program)
         for axis in static_axes(shapes, example.inputs, read):
             _keep_static(shapes, {axis.variable.name: axis.value}, watch, notes)
@@ -71,7 +77,22 @@ def trace(
             if accepts(name, upper + 1):
                 what = f"bounded to at most {upper} (eager runs {name}={upper + 1})"
                 raise Specialized(shapes, name, what, watch.bound_location(symbol))
-        return program
+        return program, form
+
+
+def _spec_export(
+    module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, notes: list[str],
+) -> torch.export.ExportedProgram | None:
+    """Export with the shape model as a ``ShapesSpec`` (torch >= 2.14): relations become checks
+    of the exported program.  ``None``, with a note, when torch cannot (a branch on a size of an
+    unbacked dim, a nest the spec cannot address): the named dims are tried then."""
+    try:
+        program = torch.export.export(module, example.args, example.kwargs, dynamic_shapes=to_shapes_spec(shapes, constants))
+    except Exception as e:  # whatever the spec path meets, the named dims remain
+        notes.append(f"dims as named torch.export.Dim: the ShapesSpec export failed ({error_line(e)})")
+        return None
+    notes.append(f"{SPEC_NOTE}: relations are checked by the exported program")
+    return program
 
 
 def _export(
