@@ -3,6 +3,9 @@ models whose state changed.  Pure Python, no torch."""
 
 from __future__ import annotations
 
+import json
+
+from pytest_exportobs.core.files import json_text
 from pytest_exportobs.engine.result import ModelResult
 from pytest_exportobs.gate.baseline import Baseline
 from pytest_exportobs.gate.judge import Change, GateEntry, changed_versions, gate, state
@@ -102,6 +105,16 @@ def test_changes_list_every_model_whose_state_differs():
         Change("vit", "failed at infer", "passed, pixels{0:batch}"),
     ]
     assert gate(None, [now("lm")]).changes == []
+
+
+def test_the_order_of_dims_is_no_change():
+    """A baseline file sorts its keys; a session keeps the inputs in signature order."""
+    session = {"input_ids": {"1": "seq", "0": "batch"}, "attention_mask": {"0": "batch", "10": "k", "2": "t"}}
+    written = json.loads(json_text(recorded(ModelResult("lm", "passed", dims=session)).to_json()))
+    assert list(written["models"]["lm"]["dims"]) == ["attention_mask", "input_ids"]
+    g = gate(Baseline.from_json(written), [now("lm", dims=session)])
+    assert g.changes == []
+    assert state("passed", "", session) == "passed, attention_mask{0:batch,2:t,10:k} input_ids{0:batch,1:seq}"
 
 
 def test_state_shows_dims_only_where_the_check_knew_them():

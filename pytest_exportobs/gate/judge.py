@@ -34,9 +34,19 @@ def _dims_known(verdict: str, stage: str) -> bool:
 
 
 def state(verdict: str, stage: str, dims: dict[str, dict[str, str]]) -> str:
-    """What the gate compares of a model, in words: ``passed, x{0:batch}``, ``failed at infer``."""
+    """What the gate compares of a model, in words: ``passed, x{0:batch}``, ``failed at infer``.
+    Inputs by name, axes by number: equal dims read the same in whatever order they came (a
+    baseline file sorts its keys, a session keeps the signature's order)."""
     text = _at(verdict, stage) if _failing(verdict) else verdict
-    return f"{text}, {format_dims(dims)}" if _dims_known(verdict, stage) else text
+    if not _dims_known(verdict, stage):
+        return text
+    ordered = {name: {axis: dims[name][axis] for axis in sorted(dims[name], key=_numeric)} for name in sorted(dims)}
+    return f"{text}, {format_dims(ordered)}"
+
+
+def _numeric(axis: str) -> tuple[int, str]:
+    """Sorts axis ``2`` before ``10``."""
+    return len(axis), axis
 
 
 def changed_versions(before: dict[str, str], now: dict[str, str]) -> Versions:
