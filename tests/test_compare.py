@@ -47,11 +47,13 @@ REGRESSION = "mlp: passed→failed at torch.export (passed with torch 2.13.0, fa
 SUMMARY = f"exportobs compare: 4 models, 3 changed, 1 regression ({REGRESSION})"
 EXPECTED_TEXT = f"""\
 versions changed: torch 2.13.0 → 2.15.0
-model  before                            now
-extra  absent                            failed at infer
-lm     passed, input_ids{{0:batch,1:seq}}  passed, input_ids{{0:batch,1:seq}}
-mlp    passed, x{{0:batch}}                failed at torch.export, x{{0:batch}}
-vit    failed at torch.export, static    passed, pixels{{0:batch}}
+extra  before     absent
+       now        failed at infer
+lm     unchanged  passed, input_ids{{0:batch,1:seq}}
+mlp    before     passed, x{{0:batch}}
+       now        failed at torch.export, x{{0:batch}}
+vit    before     failed at torch.export, static
+       now        passed, pixels{{0:batch}}
 {SUMMARY}
 """
 
@@ -71,7 +73,7 @@ Versions changed: torch 2.13.0 → 2.15.0
 | model | before | now |
 | --- | --- | --- |
 | extra | absent | failed at infer |
-| lm | passed, input_ids{{0:batch,1:seq}} | passed, input_ids{{0:batch,1:seq}} |
+| lm | passed, input_ids{{0:batch,1:seq}} | unchanged |
 | mlp | passed, x{{0:batch}} | failed at torch.export, x{{0:batch}} |
 | vit | failed at torch.export, static | passed, pixels{{0:batch}} |
 
@@ -85,8 +87,7 @@ def test_no_regression_exits_zero(tmp_path, capsys):
     assert main([old, new]) == 0
     assert capsys.readouterr().out == """\
 versions changed: none
-model  before                            now
-lm     passed, input_ids{0:batch,1:seq}  passed, input_ids{0:batch,1:seq}
+lm  unchanged  passed, input_ids{0:batch,1:seq}
 exportobs compare: 1 model, 0 changed, no regression
 """
 

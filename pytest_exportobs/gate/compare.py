@@ -18,6 +18,7 @@ from .reports import Report, markdown_table
 
 PROG = "python -m pytest_exportobs.compare"
 _COLUMNS = ("model", "before", "now")
+UNCHANGED = "unchanged"
 
 
 @dataclass
@@ -41,16 +42,27 @@ class Comparison:
         return f"exportobs compare: {counts}, {regressions}"
 
     def text(self) -> str:
-        """Aligned columns for a terminal."""
-        table = [_COLUMNS, *((c.name, c.before, c.now) for c in self.rows)]
-        widths = [max(len(cells[i]) for cells in table) for i in range(len(_COLUMNS))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip() for cells in table]
-        return "\n".join([f"versions changed: {self.gate.versions_text()}", *lines, self.summary_line()]) + "\n"
+        """One line per unchanged model, two (before, now) per changed one: states can be long."""
+        width = max((len(c.name) for c in self.rows), default=0)
+
+        def line(name: str, label: str, state: str) -> str:
+            return f"{name:<{width}}  {label:<{len(UNCHANGED)}}  {state}"
+
+        lines = [f"versions changed: {self.gate.versions_text()}"]
+        for c in self.rows:
+            if c.before == c.now:
+                lines.append(line(c.name, UNCHANGED, c.now))
+            else:
+                lines += [line(c.name, "before", c.before), line("", "now", c.now)]
+        return "\n".join([*lines, self.summary_line()]) + "\n"
 
     def markdown(self) -> str:
-        """The same as Markdown (for a CI step summary)."""
-        table = markdown_table(_COLUMNS, ([c.name, c.before, c.now] for c in self.rows))
-        blocks = ["# exportobs compare", f"Versions changed: {self.gate.versions_text()}", table, self.summary_line()]
+        """A table of every model (for a CI step summary)."""
+        rows = ([c.name, c.before, UNCHANGED if c.now == c.before else c.now] for c in self.rows)
+        blocks = [
+            "# exportobs compare", f"Versions changed: {self.gate.versions_text()}",
+            markdown_table(_COLUMNS, rows), self.summary_line(),
+        ]
         return "\n\n".join(blocks) + "\n"
 
 
