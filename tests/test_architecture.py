@@ -44,17 +44,26 @@ def imports_of(name: str) -> set[str]:
     return {m for m in found if m in MODULES and m != name}
 
 
-def layer(name: str) -> int:
-    """Index in LAYERS; the package's top module is a façade above all of them."""
+def subpackage(name: str) -> str | None:
+    """The layer a module belongs to; None for the package's top module and its top-level modules."""
     parts = name.split(".")
-    return LAYERS.index(parts[1]) if len(parts) > 1 else len(LAYERS)
+    if len(parts) == 1 or (len(parts) == 2 and MODULES[name].name != "__init__.py"):
+        return None
+    return parts[1]
+
+
+def layer(name: str) -> int:
+    """Index in LAYERS; the package's top module and its top-level modules (``python -m`` entry
+    points) are façades above all of them."""
+    found = subpackage(name)
+    return LAYERS.index(found) if found is not None else len(LAYERS)
 
 
 GRAPH = {name: imports_of(name) for name in MODULES}
 
 
 def test_every_subpackage_is_a_declared_layer() -> None:
-    subpackages = {name.split(".")[1] for name in MODULES if name.count(".") >= 1}
+    subpackages = {subpackage(name) for name in MODULES} - {None}
     assert subpackages == set(LAYERS)
 
 
@@ -90,6 +99,12 @@ def test_the_graph_is_read() -> None:
     assert "pytest_exportobs.core.trees" in GRAPH["pytest_exportobs.observe.recorder"]
     assert "pytest_exportobs.engine.runner" in GRAPH["pytest_exportobs.plugin.roles"]  # inside a function
     assert "pytest_exportobs.shapes.model" in GRAPH["pytest_exportobs.api.observer"]
+    assert "pytest_exportobs.gate.compare" in GRAPH["pytest_exportobs.compare"]
+
+
+def test_top_level_modules_are_facades() -> None:
+    assert layer("pytest_exportobs") == layer("pytest_exportobs.compare") == len(LAYERS)
+    assert layer("pytest_exportobs.gate") == layer("pytest_exportobs.gate.compare") == LAYERS.index("gate")
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

@@ -395,10 +395,21 @@ def test_minimal_entries_get_defaults(tmp_path):
     assert Baseline.load(path) == Baseline({"lm": BaselineEntry("passed")})
 
 
-def test_environment_is_never_compared():
+def test_versions_never_decide_an_outcome():
     old = baseline(result("lm", env={"torch": "2.8.0"}))
     now = result("lm", env={"torch": "2.9.0"})
-    assert gate(old, [now], strict=True).entries == [GateEntry("lm", "passed")]
+    g = gate(old, [now], strict=True)
+    assert g.entries == [GateEntry("lm", "passed")]
+    assert (g.versions, g.changes, g.failed) == ({"torch": ("2.8.0", "2.9.0")}, [], False)
+
+
+def test_a_recorded_file_s_versions_are_named_by_a_regression(tmp_path):
+    path = tmp_path / "baseline.json"
+    path.write_text(EXPECTED_FILE)
+    now = result("lm", "failed", stage="verify", dims=LM_DIMS, env={"onnx": "1.19.0", "torch": "2.10.0"})
+    assert gate(Baseline.load(path), [now]).entries[0].message == (
+        "passed→failed at verify (passed with torch 2.9.0, fails with torch 2.10.0)"
+    )
 
 
 def test_paths_may_be_strings(tmp_path):

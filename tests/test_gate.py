@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from models import SOURCE as MODELS
@@ -69,6 +70,39 @@ def test_dim_that_becomes_static_is_a_regression(pytester: pytest.Pytester, monk
     result = pytester.runpytest_subprocess(*ARGS)
     assert result.ret == 1
     result.stdout.fnmatch_lines(["exportobs gate: 1 regression (mlp: dim x.0 (batch) became static)"])
+
+
+def test_regression_names_the_versions_changed_since_the_baseline(pytester: pytest.Pytester) -> None:
+    """A baseline recorded with another transformers; the model breaks: the gate line, the Markdown
+    report and a comparison of the two reports name both versions."""
+    pytester.makepyfile(models=MODELS, test_models=TESTS)
+    assert pytester.runpytest_subprocess(*ARGS, "--export-baseline-update", "--export-report=old.json").ret == 0
+    baseline = json.loads((pytester.path / "baseline.json").read_text())
+    installed = baseline["env"]["transformers"]
+    baseline["env"]["transformers"] = "4.56.2"  # as if recorded with transformers 4.56.2
+    (pytester.path / "baseline.json").write_text(json.dumps(baseline))
+    old = json.loads((pytester.path / "old.json").read_text())
+    for model in old["models"]:
+        model["env"]["transformers"] = "4.56.2"
+    (pytester.path / "old.json").write_text(json.dumps(old))
+    working = (pytester.path / "models.py").read_text()
+    forward = "return self.l2(torch.relu(self.l1(x)))"
+    pytester.makepyfile(models=working.replace(forward, f"{forward} if x.sum() > 0 else x[:, :4]"))
+
+    broken = pytester.runpytest_subprocess(*ARGS, "--export-report=new.json")
+    assert broken.ret == 1
+    regression = ("mlp: passed→failed at torch.export "
+                  f"(passed with transformers 4.56.2, fails with transformers {installed})")
+    broken.stdout.fnmatch_lines([f"exportobs gate: 1 regression ({regression})"])
+    changed = (pytester.path / "new.md").read_text().split("## Changed since baseline\n\n")[1].split("\n\n")[0]
+    assert changed.splitlines() == [
+        "| model | before | now | versions changed |",
+        "| --- | --- | --- | --- |",
+        f"| mlp | passed, x{{0:x_dim0}} | failed at torch.export, x{{0:x_dim0}} | transformers 4.56.2 → {installed} |",
+    ]
+    compared = pytester.run(sys.executable, "-m", "pytest_exportobs.compare", "old.json", "new.json")
+    assert compared.ret == 1
+    assert compared.outlines[-1] == f"exportobs compare: 2 models, 1 changed, 1 regression ({regression})"
 
 
 def test_fixed_model_is_xpassed_and_fails_when_strict(pytester: pytest.Pytester) -> None:

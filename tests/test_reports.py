@@ -9,33 +9,37 @@ from pytest_exportobs.gate.judge import gate
 from pytest_exportobs.gate.reports import write_reports
 from pytest_exportobs.engine.result import ModelResult
 
-ENV = {"torch": "2.9.0", "onnx": "1.19.0"}
+ENV = {"torch": "2.10.0", "onnx": "1.19.0"}
+LM_DIMS = {"input_ids": {"0": "batch", "1": "seq"}}
+REGRESSION = "vit: passed→failed at torch.export (passed with torch 2.9.0, fails with torch 2.10.0)"
 
 
 def results() -> list[ModelResult]:
     return [
         ModelResult(
             "vit", "failed", stage="torch.export", kind="error", reason="data-dependent branch at m.py:41",
-            repro_path=".exportobs/vit/repro.py", n_observations=1, timings={"export": 0.5},
+            repro_path=".exportobs/vit/repro.py", n_observations=1, timings={"export": 0.5}, env=ENV,
         ),
         ModelResult(
-            "lm", "passed", dims={"input_ids": {"0": "batch", "1": "seq"}}, n_observations=2,
-            max_abs=3.1e-07, timings={"export": 1.0, "verify": 0.25},
+            "lm", "passed", dims=LM_DIMS, n_observations=2, max_abs=3.1e-07,
+            timings={"export": 1.0, "verify": 0.25}, env=ENV,
         ),
     ]
 
 
 def session_gate():
-    old = Baseline.from_results(
-        [ModelResult("gone", "passed"), ModelResult("lm", "passed", max_abs=1e-07), ModelResult("vit", "passed")]
-    )
+    old = Baseline.from_results([
+        ModelResult("gone", "passed"),
+        ModelResult("lm", "passed", dims=LM_DIMS, max_abs=1e-07, env={"torch": "2.9.0", "onnx": "1.19.0"}),
+        ModelResult("vit", "passed"),
+    ])
     return gate(old, results(), strict=False)
 
 
 EXPECTED_MARKDOWN = """\
 # exportobs report
 
-exportobs gate: 1 regression (vit: passed→failed at torch.export)
+exportobs gate: 1 regression (vit: passed→failed at torch.export (passed with torch 2.9.0, fails with torch 2.10.0))
 
 | model | outcome | stage | dynamic dims | obs | max abs Δ | time |
 | --- | --- | --- | --- | --- | --- | --- |
@@ -43,13 +47,20 @@ exportobs gate: 1 regression (vit: passed→failed at torch.export)
 | lm | passed |  | `input_ids{0:batch,1:seq}` | 2 | 3.1e-07 | 1.2 s |
 | vit | failed | torch.export | `static` | 1 |  | 0.5 s |
 
+## Changed since baseline
+
+| model | before | now | versions changed |
+| --- | --- | --- | --- |
+| gone | passed, static | absent | torch 2.9.0 → 2.10.0 |
+| vit | passed, static | failed at torch.export, static | torch 2.9.0 → 2.10.0 |
+
 ## Notes
 
 - lm: max|Δ| grew 1e-07 → 3.1e-07, within tolerance
 
 ## vit: failed
 
-passed→failed at torch.export
+passed→failed at torch.export (passed with torch 2.9.0, fails with torch 2.10.0)
 
 - stage: `torch.export` (error)
 - repro: `.exportobs/vit/repro.py`
@@ -58,7 +69,7 @@ passed→failed at torch.export
 data-dependent branch at m.py:41
 ```
 
-Environment: onnx 1.19.0, torch 2.9.0
+Environment: onnx 1.19.0, torch 2.10.0
 """
 
 
@@ -71,14 +82,19 @@ def test_json_and_markdown(tmp_path):
         "env": ENV,
         "gate": {
             "failed": True,
-            "summary": "exportobs gate: 1 regression (vit: passed→failed at torch.export)",
+            "summary": f"exportobs gate: 1 regression ({REGRESSION})",
             "entries": [
                 {"name": "gone", "outcome": "missing", "message": "in the baseline but not observed",
                  "regression": False, "notes": []},
                 {"name": "lm", "outcome": "passed", "message": "", "regression": False,
                  "notes": ["max|Δ| grew 1e-07 → 3.1e-07, within tolerance"]},
-                {"name": "vit", "outcome": "failed", "message": "passed→failed at torch.export",
+                {"name": "vit", "outcome": "failed", "message": REGRESSION.removeprefix("vit: "),
                  "regression": True, "notes": []},
+            ],
+            "versions": {"torch": ["2.9.0", "2.10.0"]},
+            "changes": [
+                {"name": "gone", "before": "passed, static", "now": "absent"},
+                {"name": "vit", "before": "passed, static", "now": "failed at torch.export, static"},
             ],
         },
         "models": [lm.to_json(), vit.to_json()],
@@ -124,6 +140,8 @@ def test_known_failure_and_regression_without_failed_verdict_get_sections(tmp_pa
     _, md_path = write_reports(tmp_path / "report.json", now, gate(old, now, strict=False), {})
     sections = md_path.read_text().split("\n## ")[1:]
     assert sections == [
+        "Changed since baseline\n\n| model | before | now | versions changed |\n| --- | --- | --- | --- |\n"
+        "| vit | passed, x{2:h} | passed, static | none |\n",
         "known: xfailed\n\nknown failure at verify\n\n- stage: `verify` (mismatch)\n",
         "vit: failed\n\ndim x.2 (h) became static\n",
     ]

@@ -13,20 +13,23 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..core.files import json_text, write_atomic
 from ..engine.result import FAILED, INCOMPLETE, PASSED, SKIPPED, ModelResult
 
 SCHEMA_VERSION = 1
 VERDICTS = (FAILED, INCOMPLETE, PASSED, SKIPPED)
+T = TypeVar("T")
+# field -> (validity check, what a valid value is)
+Checks = dict[str, tuple[Callable[[Any], bool], str]]
 
 
 class BaselineError(ValueError):
-    """A baseline file that cannot be used; the message names the file and the problem."""
+    """A baseline (or report) file that cannot be used; the message names the file and the problem."""
 
 
-def _is(*types: type) -> Callable[[Any], bool]:
+def is_a(*types: type) -> Callable[[Any], bool]:
     """A check accepting instances of ``types``, never a bool (JSON true is no number)."""
     return lambda value: isinstance(value, types) and not isinstance(value, bool)
 
@@ -35,31 +38,74 @@ def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: value is None or check(value)
 
 
-def _dict_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+def dict_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, dict) and all(map(check, value.values()))
 
 
-def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+def list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, list) and all(map(check, value))
 
 
-# BaselineEntry field -> (validity check, what a valid value is).
-_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "verdict": (lambda v: _is(str)(v) and v in VERDICTS, f"one of {', '.join(VERDICTS)}"),
-    "stage": (_is(str), "a string"),
-    "dims": (_dict_of(_dict_of(_is(str))), "an object of {axis: dim name} objects"),
-    "relations": (_list_of(_is(str)), "a list of strings"),
-    "max_abs": (_optional(_is(int, float)), "a number or null"),
-    "atol": (_optional(_is(int, float)), "a number or null"),
-    "rtol": (_optional(_is(int, float)), "a number or null"),
-    "opset": (_optional(_is(int)), "an integer or null"),
-    "op_counts": (_dict_of(_is(int)), "an object of integers"),
+# The checks of BaselineEntry's fields.
+CHECKS: Checks = {
+    "verdict": (lambda v: is_a(str)(v) and v in VERDICTS, f"one of {', '.join(VERDICTS)}"),
+    "stage": (is_a(str), "a string"),
+    "dims": (dict_of(dict_of(is_a(str))), "an object of {axis: dim name} objects"),
+    "relations": (list_of(is_a(str)), "a list of strings"),
+    "max_abs": (_optional(is_a(int, float)), "a number or null"),
+    "atol": (_optional(is_a(int, float)), "a number or null"),
+    "rtol": (_optional(is_a(int, float)), "a number or null"),
+    "opset": (_optional(is_a(int)), "an integer or null"),
+    "op_counts": (dict_of(is_a(int)), "an object of integers"),
 }
 
 
-def _require(value: Any, check: Callable[[Any], bool], where: str, expected: str) -> None:
+def require(value: Any, check: Callable[[Any], bool], where: str, expected: str) -> None:
     if not check(value):
         raise BaselineError(f"{where} must be {expected}, got {json.dumps(value)[:60]}")
+
+
+def validated_model(name: str, data: Any, checks: Checks) -> dict[str, Any]:
+    """The fields of ``checks`` found in one model's object, each checked; it must have a verdict."""
+    where = f"model {name!r}"
+    require(data, is_a(dict), where, "an object")
+    if "verdict" not in data:
+        raise BaselineError(f"{where} has no verdict")
+    for key, (check, expected) in checks.items():
+        if key in data:
+            require(data[key], check, f"{where}: {key}", expected)
+    return {key: data[key] for key in checks if key in data}
+
+
+def require_version(data: Any, expected: int, what: str) -> None:
+    """``data`` is an object whose ``schema_version`` is ``expected``; ``what`` names the file kind."""
+    require(data, is_a(dict), "the top level", "an object")
+    if "schema_version" not in data:
+        raise BaselineError(f"no schema_version (not an exportobs {what}?)")
+    version = data["schema_version"]
+    if not is_a(int)(version) or version != expected:
+        raise BaselineError(f"schema_version {json.dumps(version)} is not supported (expected {expected})")
+
+
+def load_json(path: str | os.PathLike[str], parse: Callable[[Any], T]) -> T:
+    """Read a JSON file and ``parse`` it; any problem raises BaselineError ``<path>: <problem>``."""
+    path = Path(path)
+    try:
+        return parse(json.loads(path.read_text(encoding="utf-8")))
+    except OSError as exc:
+        raise BaselineError(f"{path}: cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise BaselineError(f"{path}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise BaselineError(f"{path}: not valid JSON ({exc.msg} at {where})") from None
+    except BaselineError as exc:
+        raise BaselineError(f"{path}: {exc}") from None
+
+
+def session_env(results: Iterable[ModelResult]) -> dict[str, str]:
+    """The package versions a session's results ran with (one environment per session)."""
+    return {key: value for r in results for key, value in r.env.items()}
 
 
 @dataclass
@@ -86,19 +132,13 @@ class BaselineEntry:
     @classmethod
     def from_json(cls, name: str, data: Any) -> BaselineEntry:
         """Validate one ``models`` item; raises BaselineError naming the model and field."""
-        where = f"model {name!r}"
-        _require(data, _is(dict), where, "an object")
-        if "verdict" not in data:
-            raise BaselineError(f"{where} has no verdict")
-        for key, (check, expected) in _CHECKS.items():
-            if key in data:
-                _require(data[key], check, f"{where}: {key}", expected)
-        return cls(**{key: data[key] for key in _CHECKS if key in data})
+        return cls(**validated_model(name, data, CHECKS))
 
 
 @dataclass
 class Baseline:
-    """Per-model entries plus the environment they were recorded in (display only)."""
+    """Per-model entries plus the package versions they were recorded with (a regression names
+    those that changed since)."""
 
     models: dict[str, BaselineEntry] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
@@ -106,42 +146,22 @@ class Baseline:
     @classmethod
     def from_results(cls, results: Iterable[ModelResult]) -> Baseline:
         results = list(results)
-        return cls(
-            models={r.name: BaselineEntry.from_result(r) for r in results},
-            env={key: value for r in results for key, value in r.env.items()},
-        )
+        return cls(models={r.name: BaselineEntry.from_result(r) for r in results}, env=session_env(results))
 
     @classmethod
     def from_json(cls, data: Any) -> Baseline:
         """Validate a decoded baseline; raises BaselineError describing the first problem."""
-        _require(data, _is(dict), "the top level", "an object")
-        if "schema_version" not in data:
-            raise BaselineError("no schema_version (not an exportobs baseline?)")
-        version = data["schema_version"]
-        if not _is(int)(version) or version != SCHEMA_VERSION:
-            expected = f"expected {SCHEMA_VERSION}"
-            raise BaselineError(f"schema_version {json.dumps(version)} is not supported ({expected})")
-        _require(data.get("models"), _is(dict), "models", "an object")
+        require_version(data, SCHEMA_VERSION, "baseline")
+        require(data.get("models"), is_a(dict), "models", "an object")
         env = data.get("env", {})
-        _require(env, _dict_of(_is(str)), "env", "an object of strings")
+        require(env, dict_of(is_a(str)), "env", "an object of strings")
         models = {name: BaselineEntry.from_json(name, item) for name, item in data["models"].items()}
         return cls(models, dict(env))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Baseline:
         """Read a baseline; any problem (missing, unreadable, invalid) raises BaselineError."""
-        path = Path(path)
-        try:
-            return cls.from_json(json.loads(path.read_text(encoding="utf-8")))
-        except OSError as exc:
-            raise BaselineError(f"{path}: cannot be read ({exc.strerror})") from None
-        except UnicodeDecodeError:
-            raise BaselineError(f"{path}: not UTF-8 text") from None
-        except json.JSONDecodeError as exc:
-            where = f"line {exc.lineno}, column {exc.colno}"
-            raise BaselineError(f"{path}: not valid JSON ({exc.msg} at {where})") from None
-        except BaselineError as exc:
-            raise BaselineError(f"{path}: {exc}") from None
+        return load_json(path, cls.from_json)
 
     def to_json(self) -> dict[str, Any]:
         return {

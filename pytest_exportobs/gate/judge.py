@@ -1,4 +1,5 @@
-"""The gate: judge a session's results against the baseline, one outcome per model."""
+"""The gate: judge a session's results against the baseline, one outcome per model, and name the
+package versions that changed since the baseline."""
 
 from __future__ import annotations
 
@@ -7,19 +8,59 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.text import format_dims
 from ..engine.result import FAILED, INCOMPLETE, PASSED, SKIPPED, STAGES_WITH_DIMS, ModelResult
-from .baseline import Baseline, BaselineEntry
+from .baseline import Baseline, BaselineEntry, session_env
 
 # Gate outcomes besides passed / failed / skipped.
 XFAILED, XPASSED, MISSING = "xfailed", "xpassed", "missing"
 UPDATE_HINT = "run with --export-baseline-update to record"
 # Outcomes counted in an ok summary line besides passed; {s} is the plural mark.
 _COUNTED = {XFAILED: "known failure{s}", XPASSED: "fixed", SKIPPED: "skipped", MISSING: "missing"}
+NOT_IN_BASELINE = "not in the baseline"
+ABSENT = "absent"  # the state of a model on the side that does not have it
+# package -> (version in the baseline, version now), for the packages whose version changed
+Versions = dict[str, tuple[str, str]]
 
 
 def _failing(verdict: str) -> bool:
     """An incomplete check counts as a failure for the gate."""
     return verdict in (FAILED, INCOMPLETE)
+
+
+def _dims_known(verdict: str, stage: str) -> bool:
+    """Whether a check got far enough for its dynamic dims to mean something."""
+    return verdict == PASSED or (verdict == FAILED and stage in STAGES_WITH_DIMS)
+
+
+def state(verdict: str, stage: str, dims: dict[str, dict[str, str]]) -> str:
+    """What the gate compares of a model, in words: ``passed, x{0:batch}``, ``failed at infer``.
+    Inputs by name, axes by number: equal dims read the same in whatever order they came (a
+    baseline file sorts its keys, a session keeps the signature's order)."""
+    text = _at(verdict, stage) if _failing(verdict) else verdict
+    if not _dims_known(verdict, stage):
+        return text
+    ordered = {name: {axis: dims[name][axis] for axis in sorted(dims[name], key=_numeric)} for name in sorted(dims)}
+    return f"{text}, {format_dims(ordered)}"
+
+
+def _numeric(axis: str) -> tuple[int, str]:
+    """Sorts axis ``2`` before ``10``."""
+    return len(axis), axis
+
+
+def changed_versions(before: dict[str, str], now: dict[str, str]) -> Versions:
+    """The packages known on both sides whose version differs, by name."""
+    return {p: (before[p], now[p]) for p in sorted(before.keys() & now.keys()) if before[p] != now[p]}
+
+
+@dataclass
+class Change:
+    """A model's state in the baseline and now (see :func:`state`)."""
+
+    name: str
+    before: str
+    now: str
 
 
 @dataclass
@@ -39,21 +80,34 @@ class Gate:
 
     entries: list[GateEntry]
     has_baseline: bool = False
+    versions: Versions = field(default_factory=dict)
+    changes: list[Change] = field(default_factory=list)  # the models whose state differs
 
     @property
     def failed(self) -> bool:
         return any(e.outcome == FAILED for e in self.entries)
 
+    @property
+    def regressions(self) -> list[GateEntry]:
+        return [e for e in self.entries if e.regression]
+
     def to_json(self) -> dict[str, Any]:
-        entries = [dataclasses.asdict(e) for e in self.entries]
-        return {"failed": self.failed, "summary": self.summary_line(), "entries": entries}
+        return {
+            "failed": self.failed, "summary": self.summary_line(),
+            "entries": [dataclasses.asdict(e) for e in self.entries],
+            "versions": {package: list(pair) for package, pair in self.versions.items()},
+            "changes": [dataclasses.asdict(c) for c in self.changes],
+        }
+
+    def versions_text(self) -> str:
+        """``torch 2.13.0 → 2.15.0, transformers 4.57.6 → 5.23.0``, or ``none``."""
+        return ", ".join(f"{p} {old} → {new}" for p, (old, new) in self.versions.items()) or "none"
 
     def summary_line(self) -> str:
         """``exportobs gate: ok (3 passed, 1 known failure, 0 regressions)`` or what failed."""
         if self.failed:
-            regressions = [e for e in self.entries if e.regression]
             failures = [e for e in self.entries if e.outcome == FAILED and not e.regression]
-            parts = [_listed(regressions, "regression{s}"), _listed(failures, "failure{s}")]
+            parts = [listed(self.regressions, "regression{s}"), listed(failures, "failure{s}")]
             line = ", ".join(part for part in parts if part)
         else:
             line = f"ok ({self._counts()})"
@@ -75,7 +129,8 @@ def _count(n: int, label: str) -> str:
     return f"{n} {label.format(s='' if n == 1 else 's')}"
 
 
-def _listed(entries: list[GateEntry], label: str) -> str:
+def listed(entries: list[GateEntry], label: str) -> str:
+    """``2 regressions (lm: …; vit: …)``, or "" without entries."""
     if not entries:
         return ""
     return f"{_count(len(entries), label)} ({'; '.join(f'{e.name}: {e.message}' for e in entries)})"
@@ -90,19 +145,23 @@ def gate(baseline: Baseline | None, results: list[ModelResult], strict: bool = F
     old = baseline.models if baseline is not None else {}
     new = {r.name: r for r in results}
     has_baseline = baseline is not None
+    versions = changed_versions(baseline.env, session_env(results)) if baseline is not None else {}
     entries = [
-        _judge(new[name], old.get(name), strict, has_baseline) if name in new else _missing(name, strict)
+        _judge(new[name], old.get(name), strict, has_baseline, versions) if name in new else _missing(name, strict)
         for name in sorted(new.keys() | old.keys())
     ]
-    return Gate(entries, has_baseline)
+    changes = [c for c in states(old, new) if c.before != c.now] if has_baseline else []
+    return Gate(entries, has_baseline, versions, changes)
 
 
-def _judge(result: ModelResult, entry: BaselineEntry | None, strict: bool, has_baseline: bool) -> GateEntry:
+def _judge(
+    result: ModelResult, entry: BaselineEntry | None, strict: bool, has_baseline: bool, versions: Versions
+) -> GateEntry:
     name, verdict = result.name, result.verdict
     if entry is not None:
         notes = _notes(entry, result)
     else:
-        notes = ["not in the baseline"] if has_baseline else []
+        notes = [NOT_IN_BASELINE] if has_baseline else []
     if verdict == SKIPPED:
         return GateEntry(name, SKIPPED, result.reason, notes=notes)
     if result.expected_failure:  # the marker's xfail= decides, like pytest.mark.xfail
@@ -110,7 +169,7 @@ def _judge(result: ModelResult, entry: BaselineEntry | None, strict: bool, has_b
             return GateEntry(name, XFAILED, f"expected failure: {result.expected_failure}", notes=notes)
         return GateEntry(name, FAILED if strict else XPASSED,
                          f"passes although marked xfail ({result.expected_failure})", notes=notes)
-    problems = _regressions(entry, result) if entry is not None else []
+    problems = _regressions(entry, result, versions) if entry is not None else []
     if problems:
         return GateEntry(name, FAILED, "; ".join(problems), regression=True, notes=notes)
     was_failing = entry is not None and _failing(entry.verdict)
@@ -131,19 +190,49 @@ def _missing(name: str, strict: bool) -> GateEntry:
     return GateEntry(name, FAILED, f"{message} (strict)") if strict else GateEntry(name, MISSING, message)
 
 
-def _regressions(entry: BaselineEntry, result: ModelResult) -> list[str]:
-    """A passing model now failing; dims dynamic in the baseline now static (when dims are known)."""
+def _regressions(entry: BaselineEntry, result: ModelResult, versions: Versions) -> list[str]:
+    """A passing model now failing; dims dynamic in the baseline now static (when dims are known).
+    The first problem names the versions that changed since the baseline."""
     problems = []
     if entry.verdict == PASSED and _failing(result.verdict):
-        problems.append(f"passed→{_at(result.verdict, result.stage)}")
-    if result.passed or (result.verdict == FAILED and result.stage in STAGES_WITH_DIMS):
-        problems += [
+        problems.append(f"passed→{_at(result.verdict, result.stage)}{_since(versions, 'passed', 'fails')}")
+    if _dims_known(result.verdict, result.stage):
+        lost = [
             f"dim {input_name}.{axis} ({dim}) became static"
             for input_name, axes in entry.dims.items()
             for axis, dim in axes.items()
             if axis not in result.dims.get(input_name, {})
         ]
+        if lost and not problems:
+            lost[0] += _since(versions, "dynamic", "static")
+        problems += lost
     return problems
+
+
+def _since(versions: Versions, then: str, now: str) -> str:
+    """`` (passed with torch 2.13.0, fails with torch 2.15.0)``, or "" when no version changed."""
+    if not versions:
+        return ""
+    before = _and([f"{package} {old}" for package, (old, _) in versions.items()])
+    after = _and([f"{package} {new}" for package, (_, new) in versions.items()])
+    return f" ({then} with {before}, {now} with {after})"
+
+
+def _and(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return f"{', '.join(items[:-1])} and {items[-1]}" if len(items) > 1 else items[0]
+
+
+def states(old: dict[str, BaselineEntry], new: dict[str, ModelResult]) -> list[Change]:
+    """Every model's state in the baseline and now (``absent`` on the side without it), by name."""
+    return [
+        Change(
+            name,
+            state(old[name].verdict, old[name].stage, old[name].dims) if name in old else ABSENT,
+            state(new[name].verdict, new[name].stage, new[name].dims) if name in new else ABSENT,
+        )
+        for name in sorted(old.keys() | new.keys())
+    ]
 
 
 def _notes(entry: BaselineEntry, result: ModelResult) -> list[str]:

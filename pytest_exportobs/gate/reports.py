@@ -1,18 +1,52 @@
-"""JSON and Markdown reports of a session's export checks (the Markdown suits a CI step summary)."""
+"""JSON and Markdown reports of a session's export checks (the Markdown suits a CI step summary),
+and the reading of a JSON report back."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..core.files import json_text, write_atomic
 from ..engine.result import FAILED, INCOMPLETE, ModelResult
+from .baseline import CHECKS, Checks, dict_of, is_a, list_of, load_json, require, require_version, validated_model
 from .judge import Gate, GateEntry
 
 REPORT_SCHEMA_VERSION = 1
 _COLUMNS = ("model", "outcome", "stage", "dynamic dims", "obs", "max abs Δ", "time")
+_CHANGE_COLUMNS = ("model", "before", "now", "versions changed")
+# The fields of a reported model that are read back (what the gate judges), with their checks.
+_RESULT_CHECKS: Checks = {
+    **CHECKS,
+    "env": (dict_of(is_a(str)), "an object of strings"),
+    "reason": (is_a(str), "a string"),
+    "expected_failure": (is_a(str), "a string"),
+}
+
+
+@dataclass
+class Report:
+    """The models of a JSON report, as far as the gate needs them (verdict, stage, dims, versions…)."""
+
+    results: list[ModelResult]
+
+    @classmethod
+    def from_json(cls, data: Any) -> Report:
+        """Validate a decoded report; raises BaselineError describing the first problem."""
+        require_version(data, REPORT_SCHEMA_VERSION, "report")
+        require(data.get("models"), list_of(is_a(dict)), "models", "a list of objects")
+        results = []
+        for index, item in enumerate(data["models"]):
+            require(item.get("name"), is_a(str), f"models[{index}].name", "a string")
+            results.append(ModelResult(name=item["name"], **validated_model(item["name"], item, _RESULT_CHECKS)))
+        return cls(results)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Report:
+        """Read a JSON report; any problem (missing, unreadable, invalid) raises BaselineError."""
+        return load_json(path, cls.from_json)
 
 
 def write_reports(
@@ -43,6 +77,7 @@ def _markdown(results: list[ModelResult], gate: Gate | None, env: dict[str, str]
         "# exportobs report",
         gate.summary_line() if gate is not None else "",
         _table(results, entries),
+        _changes(gate) if gate is not None and gate.changes else "",
         "\n".join(["## Notes", "", *notes]) if notes else "",
         *(_section(r, entries.get(r.name)) for r in results),
         "Environment: " + ", ".join(f"{key} {value}" for key, value in sorted(env.items())) if env else "",
@@ -55,8 +90,14 @@ def _table(results: list[ModelResult], entries: dict[str, GateEntry]) -> str:
     rows = {r.name: _cells(r, entries.get(r.name)) for r in results}
     for name, entry in entries.items():
         rows.setdefault(name, [name, entry.outcome] + [""] * (len(_COLUMNS) - 2))
-    lines = [_row(_COLUMNS), _row(["---"] * len(_COLUMNS))] + [_row(rows[name]) for name in sorted(rows)]
-    return "\n".join(lines)
+    return markdown_table(_COLUMNS, [rows[name] for name in sorted(rows)])
+
+
+def _changes(gate: Gate) -> str:
+    """The models whose verdict, failing stage or dims differ from the baseline."""
+    versions = gate.versions_text()
+    rows = [[c.name, c.before, c.now, versions] for c in gate.changes]
+    return "## Changed since baseline\n\n" + markdown_table(_CHANGE_COLUMNS, rows)
 
 
 def _outcome(result: ModelResult, entry: GateEntry | None) -> str:
@@ -76,8 +117,13 @@ def _cells(result: ModelResult, entry: GateEntry | None) -> list[str]:
     ]
 
 
+def markdown_table(columns: Iterable[str], rows: Iterable[Iterable[str]]) -> str:
+    """A Markdown table; pipes in cells are escaped (even inside code spans), newlines flattened."""
+    columns = list(columns)
+    return "\n".join(_row(cells) for cells in [columns, ["---"] * len(columns), *rows])
+
+
 def _row(cells: Iterable[str]) -> str:
-    """A table row; pipes are escaped (even inside code spans) and newlines flattened."""
     return "| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |"
 
 
