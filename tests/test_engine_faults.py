@@ -110,10 +110,10 @@ def test_weights_changed_through_data_after_a_call_recompute_the_references(tmp_
     group = observed(model, (torch.randn(2, 8),), (torch.randn(3, 8),), between=lambda m: m.l1.weight.data.add_(1.0))
     result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0))
     assert result.verdict == "passed", result.reason
-    assert result.notes == [
+    assert result.notes[-1] == (
         "references recomputed on the exported instance for every call: eager no longer gave the recorded outputs "
         "(weights or state changed after the calls)"
-    ]
+    )
 
 
 @pytest.mark.parametrize(

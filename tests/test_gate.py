@@ -98,7 +98,7 @@ def test_regression_names_the_versions_changed_since_the_baseline(pytester: pyte
     assert changed.splitlines() == [
         "| model | before | now | versions changed |",
         "| --- | --- | --- | --- |",
-        f"| mlp | passed, x{{0:x_dim0}} | failed at torch.export, x{{0:x_dim0}} | transformers 4.56.2 → {installed} |",
+        f"| mlp | passed, x{{0:batch}} | failed at torch.export, x{{0:batch}} | transformers 4.56.2 → {installed} |",
     ]
     compared = pytester.run(sys.executable, "-m", "pytest_exportobs.compare", "old.json", "new.json")
     assert compared.ret == 1

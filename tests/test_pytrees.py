@@ -13,6 +13,8 @@ from torch.export import Dim  # noqa: E402
 
 from models import tiny_llama_config  # noqa: E402
 
+from pytest_exportobs.core.trees import spec_children  # noqa: E402
+
 from pytest_exportobs.core.pytrees import (  # noqa: E402
     make_dynamic_cache,
     make_encoder_decoder_cache,
@@ -100,7 +102,7 @@ def test_encoder_decoder_cache_flattens_self_then_cross_attention(cache_utils):
         leaves, spec = pytree.tree_flatten(cache)
         rebuilt = pytree.tree_unflatten(leaves, spec)
     assert spec.context == ["self_attention_cache", "cross_attention_cache"]
-    assert [child.type for child in spec.children()] == [cache_utils.DynamicCache] * 2
+    assert [child.type for child in spec_children(spec)] == [cache_utils.DynamicCache] * 2
     assert all(
         leaf is tensor
         for leaf, tensor in zip(leaves, flat(self_pairs) + flat(cross_pairs), strict=True)

@@ -169,8 +169,8 @@ def _to_onnx(stages: Stages, program: Any, names: dict[str, str], path: Path, ou
         program = _decompose(program)
     with stages.run("onnx-translate"):
         onnx_program = _translate(program)
-        if names:
-            onnx_program.rename_axes(names)
+        if names:  # ONNXProgram.rename_axes does the same from torch 2.11 on
+            _ir_passes().rename_axis(onnx_program.model, names)
         path.parent.mkdir(parents=True, exist_ok=True)
         onnx_program.save(str(path))
     with stages.run("onnx-checker"):
@@ -209,6 +209,12 @@ def _registry() -> Any:
     from torch.onnx._internal.exporter import _registration
 
     return _registration.ONNXRegistry.from_torchlib()
+
+
+def _ir_passes() -> Any:
+    from torch.onnx._internal.exporter import _ir_passes
+
+    return _ir_passes
 
 
 def _decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
