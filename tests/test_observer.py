@@ -565,18 +565,18 @@ def errors_of(calls: Sequence[Call], model: torch.nn.Module | None = None) -> st
 
 
 @pytest.mark.parametrize(
-    ("second", "how"),
+    ("second", "change", "how"),
     [
-        ([torch.randn(3, 3), torch.randn(3)], "#2[T1s3x3,T1s3]"),
-        ((torch.randn(3, 3),), "(T1s3x3,)"),
-        ({"a": torch.randn(3, 3), "b": torch.randn(3)}, "dict(a:T1s3x3,b:T1s3)"),
+        ([torch.randn(3, 3), torch.randn(3)], "changes structure between calls", "#2[T1s3x3,T1s3]"),
+        ((torch.randn(3, 3),), "has 1 tensors but previously got 2 tensors", "(T1s3x3,)"),
+        ({"a": torch.randn(3, 3), "b": torch.randn(3)}, "changes structure between calls", "dict(a:T1s3x3,b:T1s3)"),
     ],
     ids=["tuple-to-list", "fewer-leaves", "tuple-to-dict"],
 )
-def test_a_structure_change_names_the_argument_the_calls_and_how(second, how) -> None:
+def test_a_structure_change_names_the_argument_the_calls_and_how(second, change, how) -> None:
     calls = [((torch.randn(2, 3),), {"b": (torch.randn(2, 3), torch.randn(2))}), ((torch.randn(3, 3),), {"b": second})]
     assert errors_of(calls, ThreeInputs()) == (
-        f"argument 'b' changes structure between calls: call 0 gives (T1s2x3,T1s2), call 1 gives {how}"
+        f"Named argument 'b' {change}: call 0 gives (T1s2x3,T1s2), call 1 gives {how}"  # torch's words first
     )
 
 
@@ -596,7 +596,7 @@ def test_a_rank_change_names_the_input_and_the_ranks() -> None:
 def test_a_constant_keyword_changing_value_is_a_clear_error(options, shown) -> None:
     calls = [((torch.randn(n, 3),), kw) for n, kw in zip((2, 3), options)]
     argument = next(iter(options[0]))
-    assert errors_of(calls) == f"argument {argument!r} must keep one constant value across calls, got {shown}"
+    assert errors_of(calls) == f"Two calls were made with different constant values for argument {argument!r}: {shown}"
 
 
 @pytest.mark.parametrize(

@@ -246,7 +246,8 @@ def align_calls(
                 slots.append(Slot(sv.name, None, (), 0, constant[0], True, sv.var_positional, sv.var_keyword))
                 positional = False
             continue
-        spec, leaves_per_call, reference = _flatten_slot(sv.name, values)
+        label = f"Positional argument {list(params).index(sv.name)}" if positional else f"Named argument {sv.name!r}"
+        spec, leaves_per_call, reference = _flatten_slot(sv.name, label, values)
         start = len(flat_calls[0])
         slots.append(
             Slot(sv.name, spec, _leaf_names(sv.name, reference), start, None, False, sv.var_positional, sv.var_keyword)
@@ -262,9 +263,9 @@ def align_calls(
     return aligned
 
 
-def _flatten_slot(name: str, values: list[Any]) -> tuple[_pytree.TreeSpec, list[list[Any]], Any]:
+def _flatten_slot(name: str, label: str, values: list[Any]) -> tuple[_pytree.TreeSpec, list[list[Any]], Any]:
     """The common pytree spec of a slot, each call's leaves (``None`` where absent) and the
-    value with most leaves."""
+    value with most leaves; ``label`` names the argument in errors as torch's InputObserver does."""
     flats = [None if is_absent(v) else _pytree.tree_flatten(v) for v in values]
     for flat in flats:
         unsupported = next((leaf for leaf in (flat[0] if flat else []) if not _exportable(leaf)), None)
@@ -274,10 +275,13 @@ def _flatten_slot(name: str, values: list[Any]) -> tuple[_pytree.TreeSpec, list[
     spec = flats[reference][1]
     for i, flat in enumerate(flats):
         if flat is not None and flat[1] != spec:
+            count = (
+                f"{label} has {flat[1].num_leaves} tensors but previously got {spec.num_leaves} tensors"
+                if flat[1].num_leaves != spec.num_leaves else f"{label} changes structure between calls"
+            )
             raise ValueError(
-                f"argument {name!r} changes structure between calls: call {reference} gives "
-                f"{string_type(values[reference], with_shape=True)}, call {i} gives "
-                f"{string_type(values[i], with_shape=True)}"
+                f"{count}: call {reference} gives {string_type(values[reference], with_shape=True)}, "
+                f"call {i} gives {string_type(values[i], with_shape=True)}"
             )
     leaves = [[None] * spec.num_leaves if flat is None else flat[0] for flat in flats]
     return spec, leaves, values[reference]

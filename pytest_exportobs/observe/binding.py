@@ -104,6 +104,6 @@ def uniform_constant(sv: SlotValues, values: list[Any]) -> tuple[Any] | None:
             f"call {i}: default {sv.default!r}" if v is None else f"call {i}: {string_type(v)}={v!r}"
             for i, v in seen.values()
         )
-        raise ValueError(f"argument {sv.name!r} must keep one constant value across calls, got {shown}")
+        raise ValueError(f"Two calls were made with different constant values for argument {sv.name!r}: {shown}")
     value = next(v for v in values if v is not None)
     return None if _is_default(sv, value) else (value,)
