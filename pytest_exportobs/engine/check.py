@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..core.capture import captured_output
+from ..core.paths import model_directory
 from ..core.text import error_line
 from ..core.trees import detached_clone, flat_outputs, flattening_context
 from ..core.versions import package_versions
@@ -69,7 +70,7 @@ class _ModelCheck:
     def __init__(self, group: ModelGroup, settings: CheckSettings, result: ModelResult, progress: Progress):
         self.group, self.settings, self.result, self.progress = group, settings, result, progress
         self.options = group.options
-        self.model_dir = settings.export_dir / safe_name(group.name)
+        self.model_dir = model_directory(settings.export_dir, group.name)
         self.shapes: ShapeModel
 
     def run(self) -> None:
