@@ -15,7 +15,8 @@ class CheckSettings:
 
     ``target`` ``onnx`` exports to ONNX and runs onnxruntime, ``torch`` stops after torch.export;
     ``patches`` are dotted paths to context-manager factories entered around export and
-    verification; ``use_cache`` reads and writes the export cache under ``export_dir``.
+    verification; ``use_cache`` reads and writes the export cache under ``export_dir``;
+    ``timeout`` limits each model's check to that many seconds (``None``: no limit).
     """
 
     export_dir: Path
@@ -26,3 +27,4 @@ class CheckSettings:
     patches: tuple[str, ...] = ()
     hypothesis_seed: int | None = None
     use_cache: bool = True
+    timeout: float | None = None
