@@ -158,6 +158,14 @@ def test_other_instances_and_subclasses_are_not_observed() -> None:
     assert (layout(sub), vars(MLP).copy()) == before
 
 
+def test_a_submodule_is_no_method_to_observe() -> None:
+    model = mlp()
+    with pytest.raises(ValueError, match=r"^MLP.l1 is no method of the class: it cannot be observed$"):
+        with InputObserver()(model, method_name="l1"):
+            pass
+    assert "l1" in model._modules and "l1" not in vars(model)
+
+
 def test_the_class_is_restored_when_the_block_raises() -> None:
     model = mlp()
     before = layout(model)

@@ -117,9 +117,6 @@ class _InstanceMethod:
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return copy.deepcopy(self.__wrapped__, memo)
 
-    def __copy__(self) -> Any:
-        return self.__wrapped__
-
     def __reduce_ex__(self, protocol: Any) -> Any:
         return self.__wrapped__.__reduce_ex__(protocol)
 
@@ -137,7 +134,10 @@ def _route_for(instance: Any, name: str) -> _Route:
         if owner is instance:
             route = _Route(owner, name, vars(owner)[name], had_own=True)
         else:
-            found = inspect.getattr_static(owner, name)
+            try:
+                found = inspect.getattr_static(owner, name)
+            except AttributeError:
+                raise ValueError(f"{owner.__name__}.{name} is no method of the class: it cannot be observed") from None
             route = _Route(owner, name, getattr(found, _ORIGINAL, found), had_own=name in vars(owner))
         route.install()
         _routes[(id(owner), name)] = route
