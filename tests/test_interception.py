@@ -94,6 +94,7 @@ def test_torch_compile_with_fullgraph_traces_the_model_unobserved() -> None:
     torch.testing.assert_close(compiled(X), expected)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
 def test_torch_export_and_jit_trace_in_a_block_see_the_model_and_are_not_recorded() -> None:
     model, observer = mlp(), InputObserver()
     expected_code = torch.jit.trace(model, X, check_trace=False).code
