@@ -7,6 +7,12 @@ import pytest
 from models import tiny_llama_config
 
 
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytester sessions print whole lines (short summary lines are not cut)."""
+    monkeypatch.setenv("COLUMNS", "400")
+
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     """A 2-layer LlamaForCausalLM with random weights (no download), in eval mode."""

@@ -1,4 +1,4 @@
-"""Small models shared by the tests, and the one helper several test modules need.
+"""Small models shared by the tests, and the helpers several test modules need.
 
 Plugin tests write this file into their pytester project (``pytester.makepyfile(models=SOURCE)``),
 so it imports nothing but torch and stays self-contained.
@@ -130,3 +130,18 @@ class HalvingUNet(torch.nn.Module):
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.up(torch.relu(self.down(latents))), latents], dim=1)
+
+
+def junit_cases(path: Path) -> dict[str, str]:
+    """``classname::name`` -> outcome of every testcase in a junit xml file, each reported once;
+    xdist's group suffix ``@exportobs`` (see plugin/xdist.py) is left out of the names."""
+    import xml.etree.ElementTree as ET
+
+    cases: dict[str, str] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        children = {child.tag for child in case}
+        outcome = next((tag for tag in ("failure", "error", "skipped") if tag in children), "passed")
+        name = f"{case.get('classname')}::{case.get('name')}".removesuffix("@exportobs")
+        assert name not in cases, f"{name} reported twice"
+        cases[name] = outcome
+    return cases

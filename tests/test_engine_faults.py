@@ -132,3 +132,12 @@ def test_known_export_blockers_get_a_hint(message: str, hint: str) -> None:
         pass
 
     assert one_line_reason("onnx-translate", ConversionError(message)) == hint
+
+
+@pytest.mark.parametrize("in_the_way", ["cache", "model"], ids=["cache-is-a-file", "model-directory-is-a-file"])
+def test_a_file_that_cannot_be_written_is_the_machines_problem_not_the_models(tmp_path: Path, in_the_way: str) -> None:
+    (tmp_path / in_the_way).write_text("a file where a directory should be")
+    verdict, stage, kind, reason = check(observed(MLP(), (torch.randn(2, 8),), (torch.randn(3, 8),)), tmp_path)
+    assert (verdict, kind) == ("failed", "environment")
+    assert reason.startswith("cannot write the ")
+    assert str(tmp_path / in_the_way) in reason

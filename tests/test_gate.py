@@ -1,12 +1,18 @@
-"""The baseline gate in real pytest sessions: record, known failure, regression, fix; with -n 2."""
+"""The baseline gate in real pytest sessions: record, known failure, regression, fix (with -n 2);
+updates of a subset, pruning, concurrent updates."""
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 from models import SOURCE as MODELS
+
+from pytest_exportobs.engine.result import ModelResult
+from pytest_exportobs.gate.baseline import Baseline, BaselineEntry, update_baseline
 
 TESTS = '''
 import os
@@ -140,3 +146,73 @@ def test_reports_are_written(pytester: pytest.Pytester) -> None:
     report = json.loads((pytester.path / "out" / "report.json").read_text())
     assert sorted(m["name"] for m in report["models"]) == ["branchy", "mlp"]
     assert "| mlp | passed |" in (pytester.path / "out" / "report.md").read_text()
+
+
+# -- updates: partial runs, pruning, concurrent sessions ---------------------------------------
+
+
+def entries(pytester: pytest.Pytester) -> dict[str, str]:
+    return {name: e["verdict"] for name, e in json.loads((pytester.path / "baseline.json").read_text())["models"].items()}
+
+
+def test_an_update_of_a_subset_keeps_the_other_entries_until_pruned(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(models=MODELS, test_models=TESTS)
+    assert pytester.runpytest_subprocess(*ARGS, "--export-baseline-update").ret == 0
+
+    subset = pytester.runpytest_subprocess(*ARGS, "--export-baseline-update", "-k", "mlp")
+    assert subset.ret == 0
+    subset.stdout.fnmatch_lines(["exportobs: baseline */baseline.json updated: 1 written, 1 kept (not checked in "
+                                 "this session: branchy; --export-baseline-prune removes them)"])
+    assert entries(pytester) == {"branchy": "failed", "mlp": "passed"}
+
+    pruned = pytester.runpytest_subprocess(*ARGS, "--export-baseline-update", "--export-baseline-prune", "-k", "mlp")
+    assert pruned.ret == 0
+    pruned.stdout.fnmatch_lines(["exportobs: baseline */baseline.json updated: 1 written, 1 pruned (branchy)"])
+    assert entries(pytester) == {"mlp": "passed"}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--export-baseline=b.json", "--export-baseline-update"],
+     "ERROR: --export-baseline-update needs --export-check (or ini export_check = true): without the check there is nothing to record"),
+    (["--export-check", "--export-baseline=b.json", "--export-baseline-prune"],
+     "ERROR: --export-baseline-prune only applies with --export-baseline-update"),
+], ids=["update-without-check", "prune-without-update"])
+def test_update_options_without_what_they_need_are_usage_errors(pytester: pytest.Pytester, args: list[str], message: str) -> None:
+    pytester.makepyfile(models=MODELS, test_models=TESTS)
+    result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    assert not (pytester.path / "b.json").exists()
+
+
+def test_an_unreadable_old_baseline_is_replaced_by_an_update_and_said_so(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(models=MODELS, test_models=TESTS)
+    (pytester.path / "baseline.json").write_text("not json")
+    result = pytester.runpytest_subprocess(*ARGS, "--export-baseline-update")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["exportobs: baseline */baseline.json updated: 2 written; the old file was unreadable "
+                                 "and is replaced (*baseline.json: not valid JSON (Expecting value at line 1, column 1))"])
+    assert entries(pytester) == {"branchy": "failed", "mlp": "passed"}
+
+
+def test_two_sessions_updating_one_baseline_at_once_keep_both_entries(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(models=MODELS, test_models=TESTS)
+    command = [sys.executable, "-m", "pytest", *ARGS, "--export-baseline-update"]
+    sessions = [pytester.popen([*command, "-k", name]) for name in ("mlp", "branchy")]
+    assert [session.wait(300) for session in sessions] == [0, 0]
+    assert entries(pytester) == {"branchy": "failed", "mlp": "passed"}
+
+
+def test_an_update_waits_for_the_lock_and_merges_what_was_written_meanwhile(tmp_path: Path) -> None:
+    fcntl = pytest.importorskip("fcntl")
+    path = tmp_path / "baseline.json"
+    Baseline({"old": BaselineEntry("passed")}).write(path)
+    with open(tmp_path / ".baseline.json.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another session is updating
+        update = threading.Thread(target=update_baseline, args=(path, [ModelResult("new", "passed")], ["new"]))
+        update.start()
+        update.join(0.5)
+        assert update.is_alive()
+        Baseline({"old": BaselineEntry("passed"), "theirs": BaselineEntry("failed", "verify")}).write(path)
+    update.join(30)
+    assert sorted(Baseline.load(path).models) == ["new", "old", "theirs"]

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 
 import pytest
-from models import SOURCE as MODELS
+from models import SOURCE as MODELS, junit_cases
 
 CONFTEST = '''
 import pytest, torch
@@ -53,25 +52,10 @@ def test_watch(export_observer):
 '''
 
 
-@pytest.fixture(autouse=True)
-def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("COLUMNS", "400")  # short summary lines are not cut
-
-
 @pytest.fixture
 def suite(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_marked=TEST_MARKED, test_watch=TEST_WATCH)
     return pytester
-
-
-def junit_cases(path) -> dict[str, str]:
-    """``classname::name`` -> outcome of every testcase in a junit xml file."""
-    cases = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        children = {child.tag for child in case}
-        outcome = next((tag for tag in ("failure", "error", "skipped") if tag in children), "passed")
-        cases[f"{case.get('classname')}::{case.get('name')}"] = outcome
-    return cases
 
 
 EXPECTED_CASES = {
@@ -94,9 +78,7 @@ def test_one_outcome_per_model(suite: pytest.Pytester, workers: list[str]) -> No
     )
     result.assert_outcomes(passed=6, failed=2, skipped=1)
     assert result.ret == 1
-    # under xdist the observing tests carry the group suffix that pins them to one worker
-    cases = {name.removesuffix("@exportobs"): outcome for name, outcome in junit_cases(suite.path / "junit.xml").items()}
-    assert cases == EXPECTED_CASES
+    assert junit_cases(suite.path / "junit.xml") == EXPECTED_CASES
     result.stdout.fnmatch_lines([
         "exportobs gate: 1 failure (Branchy: failed at torch.export)",
         "PASSED exportobs::mlp",

@@ -9,7 +9,6 @@ export of its own.  The model passes when every graph passes and no call is left
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 import traceback
 import warnings
@@ -21,6 +20,7 @@ import torch
 
 from ..core.capture import captured_output
 from ..core.export_patches import export_patches
+from ..core.paths import model_directory
 from ..core.text import error_line
 from ..core.trees import flattening_context
 from ..core.versions import package_versions
@@ -32,17 +32,13 @@ from . import patches
 from .graph import GraphCheck, ModelContext
 from .graphs import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
 from .references import references
-from .result import FAILED, PASSED, SKIPPED, GraphResult, ModelResult
+from .environment import EnvironmentProblem
+from .result import ENVIRONMENT, FAILED, PASSED, SKIPPED, GraphResult, ModelResult
 from .settings import CheckSettings
 from .verify import Tolerance
 
 Progress = Callable[[str], None]
 T = TypeVar("T")
-
-
-def safe_name(name: str) -> str:
-    """A file-system friendly version of a group name."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "model"
 
 
 def check_model(group: ModelGroup, settings: CheckSettings, progress: Progress = lambda stage: None) -> ModelResult:
@@ -62,6 +58,8 @@ def check_model(group: ModelGroup, settings: CheckSettings, progress: Progress =
         _ModelCheck(group, settings, result, progress).run()
     except ModelProblem as e:
         result.verdict, result.stage, result.kind, result.reason = FAILED, e.stage, e.kind, str(e)
+    except EnvironmentProblem as e:  # the machine's: a session problem, no verdict
+        result.verdict, result.stage, result.kind, result.reason = FAILED, e.stage, ENVIRONMENT, str(e)
     except Exception as e:
         result.verdict, result.stage, result.kind = FAILED, "engine", "internal"
         result.reason = f"internal error of pytest-exportobs, not of the model (please report it): {error_line(e)}"
@@ -146,7 +144,7 @@ class _ModelCheck:
             group=self.group, settings=self.settings, tolerance=tolerance,
             examples=_first(self.options.examples, self.settings.examples),
             patches=(*self.settings.patches, *self.options.patches),
-            model_dir=self.settings.export_dir / safe_name(self.group.name), observations=observations,
+            model_dir=model_directory(self.settings.export_dir, self.group.name), observations=observations,
             references=found.outputs, quiet=self._quiet, progress=self.progress,
         )
 

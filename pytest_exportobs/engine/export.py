@@ -27,6 +27,7 @@ from ..shapes.synthesis import example_leaves
 from .bound import bind_constants
 from .cache import CacheEntry, ExportCache
 from .domain import Shape, apply_refinements, deferred_asserts, onnx_shapes, program_shapes, read_dims, refinements
+from .environment import EnvironmentProblem, writing
 from .reasons import one_line_reason
 from .tracing import Accepts, Example, Specialized, trace
 
@@ -77,6 +78,8 @@ class Stages:
         begin = time.perf_counter()
         try:
             yield
+        except EnvironmentProblem:
+            raise  # the machine's, not a failure of the stage
         except Exception as e:
             self.outcome.ok = False
             self.outcome.kind = "specialized" if isinstance(e, Specialized) else "error"
@@ -114,7 +117,7 @@ def export_model(
         names = _refine(shapes, program_shapes(program), outcome)
         if target == "torch":
             outcome.dims = read_dims(shapes, outcome.example.inputs, program_shapes(program), names)
-            with stages.run("torch.export"):
+            with stages.run("torch.export"), writing("torch.export", f"the exported program {onnx_path.with_suffix('.pt2')}"):
                 onnx_path.parent.mkdir(parents=True, exist_ok=True)
                 program.example_inputs = None  # a cache among them would need allow-listed classes to load
                 torch.export.save(program, onnx_path.with_suffix(".pt2"))
@@ -124,7 +127,8 @@ def export_model(
         outcome.dims = _onnx_dims(shapes, onnx_path, outcome)
         if key is not None:
             entry = CacheEntry(outcome.opset, outcome.op_counts, outcome.notes, outcome.refinements, outcome.outputs)
-            cache.store(key, onnx_path, entry)
+            with writing("onnx-checker", f"the export cache {cache.directory}"):
+                cache.store(key, onnx_path, entry)
     except StageFailed:
         pass
     return outcome
@@ -171,8 +175,9 @@ def _to_onnx(stages: Stages, program: Any, names: dict[str, str], path: Path, ou
         onnx_program = _translate(program)
         if names:  # ONNXProgram.rename_axes does the same from torch 2.11 on
             _ir_passes().rename_axis(onnx_program.model, names)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        onnx_program.save(str(path))
+        with writing("onnx-translate", f"the ONNX file {path}"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            onnx_program.save(str(path))
     with stages.run("onnx-checker"):
         _check_onnx(path, outcome)
     outcome.onnx_path = str(path)

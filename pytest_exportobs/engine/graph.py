@@ -22,6 +22,7 @@ from ..observe.store import ModelGroup
 from ..shapes.model import ShapeModel
 from .cache import ExportCache
 from .export import ExportOutcome, export_model
+from .environment import writing
 from .graphs import GraphPlan
 from .probe import acceptor, probe_unvaried_dims
 from .references import refreshed, reproduction
@@ -218,6 +219,8 @@ class GraphCheck:
         context.progress("variations" + (f" [{self.plan.name}]" if self.plan.name else ""))
         result.stage = "variations"
         begin = time.perf_counter()
+        with writing("variations", f"the hypothesis database in {self.directory}"):
+            self.directory.mkdir(parents=True, exist_ok=True)
         variation = context.quiet(lambda: explore(
             eager=context.eager(self.shapes), run=self.runner, shapes=self.shapes, tolerance=context.tolerance,
             examples=context.examples, seed=context.settings.hypothesis_seed,

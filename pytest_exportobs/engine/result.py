@@ -12,6 +12,12 @@ from typing import Any
 from ..core.text import format_dims
 
 PASSED, FAILED, SKIPPED, INCOMPLETE = "passed", "failed", "skipped", "incomplete"
+# The session was interrupted (Ctrl-C) before the model's check finished: never a pass, judged
+# like an incomplete check, never written into a baseline.
+INTERRUPTED = "interrupted"
+# A failed result of this kind is the machine's problem (I/O, permissions, disk full), not the
+# model's: a session error, never a verdict, never written into a baseline.
+ENVIRONMENT = "environment"
 
 # Stages in the order a check goes through them; a failure names the stage it stopped at.
 # ``isolate``: the forked process checking the model died (--export-isolate), stage unknown.

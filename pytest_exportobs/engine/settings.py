@@ -18,7 +18,8 @@ class CheckSettings:
     ``dims`` ``roles`` makes dynamic the dims whose role demands it (batch, sequence, cache and
     encoder lengths) besides the ones the tests vary, ``observed`` only the latter;
     ``patches`` are dotted paths to context-manager factories entered around export and
-    verification; ``use_cache`` reads and writes the export cache under ``export_dir``.
+    verification; ``use_cache`` reads and writes the export cache under ``export_dir``;
+    ``timeout`` limits each model's check to that many seconds (``None``: no limit).
     """
 
     export_dir: Path
@@ -30,3 +31,4 @@ class CheckSettings:
     hypothesis_seed: int | None = None
     use_cache: bool = True
     dims: str = "roles"
+    timeout: float | None = None

@@ -2,15 +2,20 @@
 
 Per model the verdict, failing stage, named dynamic dims, relations, max |Δ| with its
 tolerance, ONNX opset and op counts.  Pure Python: importing this module costs nothing.
+
+An update merges a session's results into the file under a lock (:func:`update_baseline`):
+entries of models the session did not check are kept unless pruned, and two sessions updating
+one file at once both keep their entries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -163,6 +168,11 @@ class Baseline:
         """Read a baseline; any problem (missing, unreadable, invalid) raises BaselineError."""
         return load_json(path, cls.from_json)
 
+    def without(self, names: Iterable[str]) -> Baseline:
+        """This baseline less the entries of ``names``."""
+        names = set(names)
+        return Baseline({n: e for n, e in self.models.items() if n not in names}, dict(self.env))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
@@ -172,3 +182,53 @@ class Baseline:
 
     def write(self, path: str | os.PathLike[str]) -> Path:
         return write_atomic(path, json_text(self.to_json()))
+
+
+@dataclass
+class BaselineUpdate:
+    """What an update did: models whose entries were written, old entries kept or pruned (of
+    models the session did not check), and why the old file was ignored (unreadable)."""
+
+    written: list[str]
+    kept: list[str]
+    pruned: list[str]
+    unreadable: str = ""
+
+
+def update_baseline(
+    path: str | os.PathLike[str], results: Iterable[ModelResult], checked: Iterable[str], prune: bool = False
+) -> BaselineUpdate:
+    """Write ``results`` into the baseline at ``path``, merged with the entries already there.
+
+    The file is re-read under a lock and replaced atomically, so concurrent updates keep each
+    other's entries.  Entries of models in ``checked`` without a result to record (their check
+    said nothing about the model) stay as they were; entries of models not in ``checked`` are
+    kept, or removed with ``prune``.  An unreadable old file is replaced (and said so).
+    """
+    path, results = Path(path), list(results)
+    new = Baseline.from_results(results)
+    checked = set(checked) | set(new.models)
+    with _locked(path):
+        try:
+            old, unreadable = (Baseline.load(path), "") if path.exists() else (Baseline(), "")
+        except BaselineError as e:
+            old, unreadable = Baseline(), str(e)
+        unchecked = sorted(set(old.models) - checked)
+        kept = old.without(unchecked if prune else ()).models
+        Baseline({**kept, **new.models}, {**old.env, **new.env}).write(path)
+    return BaselineUpdate(sorted(new.models), [] if prune else unchecked, unchecked if prune else [], unreadable)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``.<name>.lock`` beside ``path`` (where ``fcntl`` exists:
+    elsewhere, on Windows, updates are not serialised)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux/macOS
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.text import format_dims
-from ..engine.result import FAILED, INCOMPLETE, PASSED, SKIPPED, STAGES_WITH_DIMS, ModelResult
+from ..engine.result import FAILED, INCOMPLETE, INTERRUPTED, PASSED, SKIPPED, STAGES_WITH_DIMS, ModelResult
 from .baseline import Baseline, BaselineEntry, session_env
 
 # Gate outcomes besides passed / failed / skipped.
@@ -24,8 +24,8 @@ Versions = dict[str, tuple[str, str]]
 
 
 def _failing(verdict: str) -> bool:
-    """An incomplete check counts as a failure for the gate."""
-    return verdict in (FAILED, INCOMPLETE)
+    """An incomplete or interrupted check counts as a failure for the gate (never a pass)."""
+    return verdict in (FAILED, INCOMPLETE, INTERRUPTED)
 
 
 def _dims_known(verdict: str, stage: str) -> bool:

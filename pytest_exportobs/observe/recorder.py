@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ from torch.utils import _pytree
 
 from ..core.trees import detached_clone, flattening_context
 from .alignment import AlignedCalls, align_calls
+from .interception import intercepted
 
 
 @dataclass
@@ -80,11 +80,13 @@ def weights_version(module: torch.nn.Module) -> int:
 
 
 class CallRecorder:
-    """Steals a method of a module to record its inputs and eager outputs.
+    """Records the inputs and eager outputs of a module's method while ordinary code calls it.
 
-    ``value_if_missing`` gives, by argument name or position, the value to assume for an
-    argument absent from some calls (e.g. ``pixel_values`` after the prefill step); it is
-    only used to align calls, never to run the model.
+    The module is left intact (see :mod:`.interception`): calls reach the recorder through the
+    module's class, whether made as ``module(...)``, ``module.forward(...)`` or another method,
+    and not while torch.compile / torch.export trace the module.  ``value_if_missing`` gives, by
+    argument name or position, the value to assume for an argument absent from some calls (e.g.
+    ``pixel_values`` after the prefill step); it is only used to align calls, never to run the model.
     """
 
     def __init__(self, value_if_missing: dict[str | int, Any] | None = None):
@@ -95,6 +97,7 @@ class CallRecorder:
         self.source = ""
         self.errors: list[str] = []  # why calls could not be recorded (distinct messages)
         self._by_key: dict[tuple, Observation] = {}
+        self._limits: list[int] = []  # per open block: the number of observations it may reach
 
     def num_obs(self) -> int:
         """Number of stored (distinct) observations."""
@@ -109,29 +112,23 @@ class CallRecorder:
     ) -> Iterator[CallRecorder]:
         """Record the calls of ``model.<method_name>`` made inside the ``with`` block.
 
-        At most ``store_n_calls`` new distinct call signatures are stored per block; the
-        original method is restored on exit, whatever happens inside.
+        At most ``store_n_calls`` new distinct call signatures are stored per block; blocks may
+        nest and overlap (each call is recorded once).  The module is exactly as it was on exit.
         """
         if not isinstance(store_n_calls, int) or store_n_calls < 0:
             raise ValueError(f"store_n_calls must be a non-negative int, got {store_n_calls!r}")
         method = getattr(model, method_name, None)
         if not callable(method):
             raise ValueError(f"{type(model).__name__} has no method {method_name!r} to observe")
-        signature = inspect.signature(method)
-        self._check_signature(signature)
+        self._check_signature(inspect.signature(method))
         limit = len(self.observations) + store_n_calls
-        had_instance_attr = method_name in vars(model)
-        wrapper = self._make_wrapper(model, method, signature, limit)
-        # Registered once for the block, not per call: flattening caches is on the hot path.
-        with flattening_context():
-            setattr(model, method_name, wrapper)
-            try:
+        self._limits.append(limit)
+        try:
+            # Registered once for the block, not per call: flattening caches is on the hot path.
+            with flattening_context(), intercepted(model, method_name, self):
                 yield self
-            finally:
-                if had_instance_attr:
-                    setattr(model, method_name, method)
-                else:
-                    delattr(model, method_name)
+        finally:
+            self._limits.remove(limit)
 
     def _check_signature(self, signature: inspect.Signature) -> None:
         if self.signature is not None and list(self.signature.parameters) != list(signature.parameters):
@@ -156,51 +153,52 @@ class CallRecorder:
                 raise TypeError(f"value_if_missing keys are names or positions, got {key!r}")
         self.signature = signature
 
-    def _make_wrapper(
-        self, model: torch.nn.Module, method: Callable, signature: inspect.Signature, limit: int
-    ) -> Callable:
-        @functools.wraps(method)
-        def observed(*args: Any, **kwargs: Any) -> Any:
-            # Observing never changes what the call does: a call that cannot be recorded
-            # (a cache pytree cannot flatten, ...) still runs and is counted as failed.
-            try:
-                ordered = self._ordered(kwargs)
-                key = call_signature(args, ordered)
-                known = self._by_key.get(key)
-                if known is not None or len(self.observations) >= limit:
-                    self._count_unstored(known)
-                    inputs = None
-                else:
-                    inputs = detached_clone((args, ordered))
-            except Exception as e:
-                self._count_failed(e)
-                inputs = None
-            if inputs is None:
-                return method(*args, **kwargs)
-            outputs = method(*args, **kwargs)
-            try:
-                observation = Observation(
-                    args=inputs[0],
-                    kwargs=inputs[1],
-                    outputs=[
-                        t.detach().clone() if isinstance(t, torch.Tensor) else None
-                        for t in _pytree.tree_leaves(outputs)
-                    ],
-                    source=self.source,
-                    instance=id(model),
-                    weights_version=weights_version(model),
-                    training=model.training,
-                )
-            except Exception as e:
-                self._count_failed(e)
-            else:
-                self._store(key, observation)
-            return outputs
+    # Observing never changes what the call does: a call that cannot be recorded (a cache pytree
+    # cannot flatten, ...) still runs and is counted as failed.
 
-        observed.__signature__ = signature  # type: ignore[attr-defined]
-        return observed
+    def before_call(self, instance: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Listener of the interception: the call's key and a copy of its inputs, taken before the
+        call (models update caches in place), when the call is to be stored; else ``None``."""
+        try:
+            ordered = self._ordered(kwargs)
+            key = call_signature(args, ordered)
+            if not self._stores(key):
+                self._count_unstored(key)
+                return None
+            return key, detached_clone((args, ordered))
+        except Exception as e:
+            self._count_failed(e)
+            return None
 
-    def _count_unstored(self, known: Observation | None) -> None:
+    def after_call(self, instance: torch.nn.Module, token: Any, outputs: Any) -> None:
+        """Listener of the interception: store the call with its eager outputs."""
+        key, (args, kwargs) = token
+        try:
+            observation = Observation(
+                args=args,
+                kwargs=kwargs,
+                outputs=[
+                    t.detach().clone() if isinstance(t, torch.Tensor) else None for t in _pytree.tree_leaves(outputs)
+                ],
+                source=self.source,
+                instance=id(instance),
+                weights_version=weights_version(instance),
+                training=instance.training,
+            )
+        except Exception as e:
+            self._count_failed(e)
+        else:
+            self._by_key[key] = observation
+            self.observations.append(observation)
+            self.counts.stored += 1
+
+    def _stores(self, key: tuple) -> bool:
+        """The storing decision: a call is stored when its signature is new and an open block
+        still has room (``store_n_calls``)."""
+        return key not in self._by_key and len(self.observations) < max(self._limits)
+
+    def _count_unstored(self, key: tuple) -> None:
+        known = self._by_key.get(key)
         if known is None:
             self.counts.dropped += 1
         else:
@@ -212,11 +210,6 @@ class CallRecorder:
         message = f"{type(error).__name__}: {error}"
         if message not in self.errors:
             self.errors.append(message)
-
-    def _store(self, key: tuple, observation: Observation) -> None:
-        self._by_key[key] = observation
-        self.observations.append(observation)
-        self.counts.stored += 1
 
     def _ordered(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Keyword arguments in signature order (torch.export matches them by order)."""

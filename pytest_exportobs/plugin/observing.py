@@ -3,6 +3,8 @@ record the calls of models into the session store.
 
 Each observing test records the names of the groups it fed in its ``user_properties``, so that
 the process that concludes the session knows every model observed, even on a crashed worker.
+Under xdist a test also announces, at setup, the names its markers will observe: when its worker
+crashes during the call, the controller still knows which models were lost.
 """
 
 from __future__ import annotations
@@ -15,12 +17,18 @@ import pytest
 
 MARKER = "observe_export"
 OBSERVED_PROPERTY = "exportobs"  # user_properties key naming a group a test observed
+ANNOUNCED_PROPERTY = "exportobs_announced"  # ... naming a group a test's marker is about to observe
 MARKER_HELP = (
     "observe_export(*fixture_names, name=None, set_batch_dimension_for=None, value_if_missing=None, "
     "dim_names=None, atol=None, rtol=None, examples=None, method='forward', xfail=None, patches=(), "
     "store_n_calls=3): record the calls of the named fixtures' modules during this test; with "
     "--export-check they are exported and verified at the end"
 )
+
+
+def marked_names(item: pytest.Item) -> list[str]:
+    """The group names the item's markers name (``name=``, else each fixture's name)."""
+    return [mark.kwargs.get("name") or fixture for mark in item.iter_markers(MARKER) for fixture in mark.args]
 
 
 def observes(item: pytest.Item) -> bool:

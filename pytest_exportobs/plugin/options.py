@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,19 +20,27 @@ class Options:
     report: Path | None
     baseline: Path | None
     baseline_update: bool
+    baseline_prune: bool
     strict: bool
     isolate: bool
     check: CheckSettings
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Options:
-        """Read options and ini keys; bad values raise ``pytest.UsageError``."""
+        """Read options and ini keys; bad values and combinations raise ``pytest.UsageError``."""
         option = config.option
+        enabled = bool(option.export_check) or config.getini("export_check")
+        if option.export_baseline_update and not enabled:
+            raise pytest.UsageError("--export-baseline-update needs --export-check (or ini export_check = true): "
+                                    "without the check there is nothing to record")
+        if option.export_baseline_prune and not option.export_baseline_update:
+            raise pytest.UsageError("--export-baseline-prune only applies with --export-baseline-update")
         return cls(
-            enabled=bool(option.export_check) or config.getini("export_check"),
+            enabled=enabled,
             report=_path(config, option.export_report, "export_report"),
             baseline=_path(config, option.export_baseline, "export_baseline"),
             baseline_update=bool(option.export_baseline_update),
+            baseline_prune=bool(option.export_baseline_prune),
             strict=bool(option.export_strict) or config.getini("export_strict"),
             isolate=bool(option.export_isolate) or config.getini("export_isolate"),
             check=CheckSettings(
@@ -43,6 +52,7 @@ class Options:
                 patches=tuple(config.getini("export_patches")),
                 hypothesis_seed=_hypothesis_seed(config),
                 dims=_choice(config.getini("export_dims") or "roles", "export_dims", DIM_MODES),
+                timeout=_timeout(option.export_timeout or config.getini("export_timeout")),
             ),
         )
 
@@ -60,7 +70,10 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption("--export-baseline", metavar="PATH", default=None,
                     help="baseline to gate against: a model that passed there and fails now fails the run")
     group.addoption("--export-baseline-update", action="store_true", default=False,
-                    help="write this session's results as the new baseline")
+                    help="write this session's results into the baseline (entries of models not "
+                         "checked in this session are kept)")
+    group.addoption("--export-baseline-prune", action="store_true", default=False,
+                    help="with --export-baseline-update: remove the entries of models not checked in this session")
     group.addoption("--export-examples", metavar="N", type=int, default=None,
                     help="hypothesis shape variations per model (default 10, 0 = off)")
     group.addoption("--export-target", choices=TARGETS, default=None,
@@ -69,6 +82,9 @@ def add_options(parser: pytest.Parser) -> None:
                     help="a fixed known failure or a baseline entry with no model fails the gate")
     group.addoption("--export-isolate", action="store_true", default=None,
                     help="export and run each model in a subprocess (a native crash fails one model)")
+    group.addoption("--export-timeout", metavar="SECONDS", default=None,
+                    help="time limit of each model's check: beyond it the model fails with kind "
+                         "timeout (ini: export_timeout; default: none)")
     parser.addini("export_check", "observe and check exports (like --export-check)", type="bool", default=False)
     parser.addini("export_dir", "artifacts directory (like --export-dir)", default="")
     parser.addini("export_report", "JSON report path (like --export-report)", default="")
@@ -77,6 +93,7 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("export_target", "onnx or torch (like --export-target)", default="onnx")
     parser.addini("export_strict", "strict gate (like --export-strict)", type="bool", default=False)
     parser.addini("export_isolate", "one subprocess per model (like --export-isolate)", type="bool", default=False)
+    parser.addini("export_timeout", "time limit of each model's check in seconds (like --export-timeout)", default="")
     parser.addini("export_atol", "absolute tolerance for every model (default: per dtype)", default="")
     parser.addini("export_rtol", "relative tolerance for every model (default: per dtype)", default="")
     parser.addini("export_dims", "roles (default): batch, sequence, cache and encoder lengths are dynamic even "
@@ -113,6 +130,13 @@ def _float(value: str, name: str) -> float | None:
         return float(value)
     except ValueError:
         raise pytest.UsageError(f"{name} must be a number, got {value!r}") from None
+
+
+def _timeout(value: str | None) -> float | None:
+    seconds = _float(value or "", "export_timeout")
+    if seconds is not None and not 0 < seconds < math.inf:
+        raise pytest.UsageError(f"export_timeout must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def _choice(value: str, name: str, choices: tuple[str, ...]) -> str:

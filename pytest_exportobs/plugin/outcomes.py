@@ -1,4 +1,9 @@
-"""Report models to pytest: one ``exportobs::<name>`` test outcome each, and a terminal summary."""
+"""Report models to pytest: one ``exportobs::<name>`` test outcome each, and a terminal summary.
+
+A model judged by the gate gets the gate's outcome; a model whose check failed for the machine's
+sake (kind ``environment``) gets a pytest ERROR (a failed setup), like a test whose fixture could
+not be set up.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ..engine.result import ModelResult
+from ..engine.result import ENVIRONMENT, ModelResult
 from ..gate.judge import Gate, GateEntry
 
 PREFIX = "exportobs::"
@@ -27,26 +32,42 @@ def log_outcomes(config: pytest.Config, results: dict[str, ModelResult], gate: G
     verbose = config.get_verbosity() > 0
     for entry in gate.entries:
         result = results.get(entry.name)
-        nodeid = f"{PREFIX}{entry.name}"
-        location = ("exportobs", None, nodeid)
-        config.hook.pytest_runtest_logstart(nodeid=nodeid, location=location)
-        for when in ("setup", "call", "teardown"):
-            config.hook.pytest_runtest_logreport(report=_report(nodeid, location, when, entry, result, verbose))
-        config.hook.pytest_runtest_logfinish(nodeid=nodeid, location=location)
+        _log(config, entry.name, [_report(entry, result, when, verbose) for when in ("setup", "call", "teardown")])
+    for result in results.values():
+        if result.kind == ENVIRONMENT:
+            problem = (f"session problem at {result.stage}: {result.reason}\n"
+                       "no verdict on the model, and its baseline entry is kept as it was")
+            _log(config, result.name, [_test_report(result.name, "setup", "failed", problem),
+                                       _test_report(result.name, "teardown", "passed")])
 
 
-def _report(
-    nodeid: str, location: tuple, when: str, entry: GateEntry, result: ModelResult | None, verbose: bool
-) -> pytest.TestReport:
+def _log(config: pytest.Config, name: str, reports: list[pytest.TestReport]) -> None:
+    nodeid = f"{PREFIX}{name}"
+    config.hook.pytest_runtest_logstart(nodeid=nodeid, location=_location(nodeid))
+    for report in reports:
+        config.hook.pytest_runtest_logreport(report=report)
+    config.hook.pytest_runtest_logfinish(nodeid=nodeid, location=_location(nodeid))
+
+
+def _location(nodeid: str) -> tuple[str, None, str]:
+    return ("exportobs", None, nodeid)
+
+
+def _test_report(name: str, when: str, outcome: str, longrepr: Any = None, **fields: Any) -> pytest.TestReport:
+    nodeid = f"{PREFIX}{name}"
+    return pytest.TestReport(nodeid=nodeid, location=_location(nodeid), keywords={"exportobs": 1},
+                             outcome=outcome, longrepr=longrepr, when=when, **fields)
+
+
+def _report(entry: GateEntry, result: ModelResult | None, when: str, verbose: bool) -> pytest.TestReport:
     outcome, expected = OUTCOMES[entry.outcome] if when == "call" else ("passed", False)
     longrepr: Any = None
     if when == "call" and outcome == "failed":
         longrepr = failure_text(entry, result, verbose)
     elif when == "call" and outcome == "skipped" and not expected:
         longrepr = ("exportobs", None, f"Skipped: {entry.name}: {entry.message or (result.reason if result else '')}")
-    report = pytest.TestReport(
-        nodeid=nodeid, location=location, keywords={"exportobs": 1}, outcome=outcome, longrepr=longrepr,
-        when=when, duration=result.elapsed if (result and when == "call") else 0.0,
+    report = _test_report(
+        entry.name, when, outcome, longrepr, duration=result.elapsed if (result and when == "call") else 0.0,
         user_properties=[("exportobs_stage", result.stage)] if (result and when == "call") else [],
     )
     if when == "call" and expected:
@@ -104,6 +125,10 @@ def summary_rows(results: dict[str, ModelResult], gate: Gate) -> list[str]:
             entry.name, entry.outcome, result.stage or "-", str(result.n_observations),
             _number(result.max_abs), f"{result.elapsed:.1f}s", result.dims_text(),
         ))
+    rows += [
+        (r.name, "error", r.stage or "-", str(r.n_observations), "-", f"{r.elapsed:.1f}s", "session problem")
+        for r in results.values() if r.kind == ENVIRONMENT
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     return ["  ".join([*(c.ljust(w) for c, w in zip(r, widths)), r[-1]]).rstrip() for r in rows]
 

@@ -6,6 +6,10 @@
 
 Each role is a plugin object registered at configure and unregistered at unconfigure; its hooks
 only delegate to the observing and concluding sides and to the engine.
+
+Ctrl-C while models are checked stops the checks at once: the models not checked are
+``interrupted`` and the session's exit status becomes pytest's interrupted code.  After Ctrl-C
+during the tests no model is checked at all.
 """
 
 from __future__ import annotations
@@ -15,20 +19,27 @@ from typing import Any
 
 import pytest
 
-from ..engine.result import ModelResult
+from ..engine.result import INTERRUPTED, ModelResult
 from . import xdist
 from .conclusion import Concluding, incomplete, progress_writer
-from .observing import OBSERVED_PROPERTY, Observing
+from .observing import ANNOUNCED_PROPERTY, OBSERVED_PROPERTY, Observing
 from .options import Options
 
 
-def _check(groups: list[Any], options: Options, progress: Callable[[str], None] | None) -> list[ModelResult]:
+def _check(
+    session: pytest.Session, groups: list[Any], options: Options, progress: Callable[[str], None] | None
+) -> list[ModelResult]:
     """Check the groups observed in this process (torch is imported only when there are some)."""
     if not groups:
         return []
-    from ..engine.runner import check_all
+    from ..engine.runner import check_all, interrupted
 
-    return list(check_all(groups, options.check, options.isolate, progress))
+    if session.exitstatus == pytest.ExitCode.INTERRUPTED:
+        return [interrupted(group) for group in groups]
+    results = list(check_all(groups, options.check, options.isolate, progress))
+    if any(r.verdict == INTERRUPTED for r in results):
+        session.exitstatus = pytest.ExitCode.INTERRUPTED
+    return results
 
 
 class LocalRole(Observing, Concluding):
@@ -40,7 +51,7 @@ class LocalRole(Observing, Concluding):
 
     @pytest.hookimpl(tryfirst=True)  # before junitxml writes its file in its own sessionfinish
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        for result in _check(self.groups(), self.options, progress_writer(self.config)):
+        for result in _check(session, self.groups(), self.options, progress_writer(self.config)):
             self.results[result.name] = result
         self.conclude(session, observed=set())
 
@@ -57,31 +68,48 @@ class WorkerRole(Observing):
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         xdist.pin_on_worker(config, items)
 
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        xdist.announce(item)
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        results = _check(self.groups(), self.options, progress=None)
+        results = _check(session, self.groups(), self.options, progress=None)
         self.config.workeroutput[xdist.OUTPUT_KEY] = {"results": [r.to_json() for r in results]}
 
 
 class ControllerRole(Concluding):
     """The xdist controller: knows the observed models from the test reports, the results from
-    the workers' output."""
+    the workers' output.  A model observed on a worker that crashed is incomplete, whatever
+    another worker says of it: its observations died with the worker."""
 
     def __init__(self, config: pytest.Config, options: Options):
         super().__init__(config, options)
         self.observed: set[str] = set()  # group names seen in test reports
+        self.observed_on: dict[str, set[str]] = {}  # group name -> workers that observed (or announced) it
+        self.crashed: set[str] = set()  # workers that went down with an error
         self.checked_on: dict[str, str] = {}  # group name -> worker that sent its result
-        xdist.pin_on_controller(config)
+        self.pinned = xdist.pin_on_controller(config)
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        return xdist.make_scheduler(config, log) if self.pinned else None
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(self, node: Any) -> None:
         xdist.configure_node(node)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.observed.update(value for key, value in report.user_properties if key == OBSERVED_PROPERTY)
+        worker = xdist.worker_of(report)
+        for key, name in report.user_properties:
+            if key == OBSERVED_PROPERTY:
+                self.observed.add(name)
+            if key in (OBSERVED_PROPERTY, ANNOUNCED_PROPERTY) and worker is not None:
+                self.observed_on.setdefault(name, set()).add(worker)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        if error is not None:
+            self.crashed.add(node.gateway.id)
         output = getattr(node, "workeroutput", {}).get(xdist.OUTPUT_KEY)
         self._merge(output, node.gateway.id)
 
@@ -98,6 +126,11 @@ class ControllerRole(Concluding):
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        for name, workers in sorted(self.observed_on.items()):
+            lost = sorted(workers & self.crashed)
+            if lost:
+                self.results[name] = incomplete(name, f"observed on worker {', '.join(lost)}, which crashed: "
+                                                      "its observations are lost")
         self.conclude(session, self.observed)
 
 

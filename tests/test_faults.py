@@ -1,0 +1,405 @@
+"""Faults in real pytest sessions: a stalled check, Ctrl-C, the machine's problems, crashing
+xdist workers — and observation that never changes what a test does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from models import SOURCE as MODELS, junit_cases
+
+from pytest_exportobs.engine.runner import ModelTimeout, time_limit
+
+ARGS = ("--export-check", "--export-target=torch", "--export-examples=0", "-p", "no:cacheprovider")
+
+CONFTEST = '''
+import contextlib, time
+import pytest, torch
+import torch.export._trace  # the first export's imports (~3 s) are paid here, not in a model's time
+from models import MLP
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return MLP().eval()
+
+@contextlib.contextmanager
+def stall():
+    """torch.export.export stalls: a model whose tracing never ends."""
+    original = torch.export.export
+    torch.export.export = lambda *args, **kwargs: time.sleep(600)
+    try:
+        yield
+    finally:
+        torch.export.export = original
+'''
+
+TESTS = '''
+import pytest, torch
+
+@pytest.mark.observe_export("mlp", name="a-fast")
+def test_fast(mlp):
+    mlp(torch.randn(2, 8))
+    mlp(torch.randn(3, 8))
+
+@pytest.mark.observe_export("mlp", name="b-stalled", patches="conftest.stall")
+def test_stalled(mlp):
+    mlp(torch.randn(2, 8))
+
+@pytest.mark.observe_export("mlp", name="c-after")
+def test_after(mlp):
+    mlp(torch.randn(4, 8))
+'''
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_models=TESTS)
+    return pytester
+
+
+# -- time limit -------------------------------------------------------------------------------
+
+
+def test_time_limit_cuts_a_sleep_and_restores_the_timer_it_found() -> None:
+    previous = signal.getsignal(signal.SIGALRM)
+    signal.setitimer(signal.ITIMER_REAL, 100)
+    try:
+        begin = time.monotonic()
+        with pytest.raises(ModelTimeout), time_limit(0.2):
+            time.sleep(30)
+        assert time.monotonic() - begin < 5
+        assert signal.getsignal(signal.SIGALRM) is previous
+        assert 90 < signal.getitimer(signal.ITIMER_REAL)[0] <= 100
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def test_time_limit_off_the_main_thread_stops_python_code() -> None:
+    caught: list[BaseException] = []
+
+    def busy() -> None:
+        try:
+            with time_limit(0.2):
+                while True:
+                    pass
+        except ModelTimeout as e:
+            caught.append(e)
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive() and len(caught) == 1
+
+
+def test_time_limit_waits_for_an_import_to_finish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module left half-imported would break every later check."""
+    (tmp_path / "slow_module.py").write_text("import time\ntime.sleep(0.5)\nDONE = True\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    with pytest.raises(ModelTimeout), time_limit(0.1):
+        import slow_module  # noqa: F401
+
+        time.sleep(30)
+    assert sys.modules["slow_module"].DONE
+
+
+@pytest.mark.parametrize("isolate", [[], ["--export-isolate"]], ids=["in-process", "isolated"])
+def test_a_stalled_model_times_out_and_the_others_are_checked(suite: pytest.Pytester, isolate: list[str]) -> None:
+    result = suite.runpytest_subprocess(*ARGS, "--export-timeout=5", *isolate)
+    result.assert_outcomes(passed=5, failed=1)
+    result.stdout.fnmatch_lines(["FAILED exportobs::b-stalled - failed at torch.export: timed out after 5 s during torch.export"])
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_a_timeout_is_held_as_a_known_failure_by_the_baseline(suite: pytest.Pytester) -> None:
+    suite.makeini("[pytest]\nexport_timeout = 5\n")
+    recorded = suite.runpytest_subprocess(*ARGS, "--export-baseline=baseline.json", "--export-baseline-update")
+    recorded.assert_outcomes(passed=5, xfailed=1)
+    entry = json.loads((suite.path / "baseline.json").read_text())["models"]["b-stalled"]
+    assert (entry["verdict"], entry["stage"]) == ("failed", "torch.export")
+    gated = suite.runpytest_subprocess(*ARGS, "--export-baseline=baseline.json", "-k", "stalled", "-rA")
+    gated.assert_outcomes(passed=1, xfailed=1, skipped=2)
+    gated.stdout.fnmatch_lines(["XFAIL exportobs::b-stalled - known failure at torch.export"])
+    assert gated.ret == pytest.ExitCode.OK
+
+
+def test_a_bad_timeout_is_a_usage_error(suite: pytest.Pytester) -> None:
+    result = suite.runpytest_subprocess(*ARGS, "--export-timeout=-3")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: export_timeout must be a positive number of seconds, got '-3'"])
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------------
+
+
+def interrupt_when(pytester: pytest.Pytester, line: str, *args: str) -> tuple[int, str]:
+    """Run pytest, send SIGINT once ``line`` is printed; the exit code and the whole output."""
+    command = [sys.executable, "-m", "pytest", *args]
+    process = pytester.popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # xdist workers ignore SIGINT, children inherit it
+    )
+    output = []
+    for text in process.stdout:
+        output.append(text)
+        if line in text:
+            process.send_signal(signal.SIGINT)
+    return process.wait(120), "".join(output)
+
+
+@pytest.mark.parametrize("isolate", [[], ["--export-isolate"]], ids=["in-process", "isolated"])
+def test_ctrl_c_while_checking_reports_what_was_checked_and_writes_no_baseline(
+    suite: pytest.Pytester, isolate: list[str]
+) -> None:
+    baseline = suite.path / "baseline.json"
+    baseline.write_text('{"schema_version": 1, "models": {}}')
+    code, output = interrupt_when(
+        suite, "b-stalled: export", *ARGS, *isolate, "--junitxml=junit.xml", "--export-report=report.json",
+        "--export-baseline=baseline.json", "--export-baseline-update",
+    )
+    assert code == pytest.ExitCode.INTERRUPTED
+    assert junit_cases(suite.path / "junit.xml") == {
+        "test_models::test_fast": "passed", "test_models::test_stalled": "passed", "test_models::test_after": "passed",
+        "exportobs::a-fast": "passed", "exportobs::b-stalled": "failure", "exportobs::c-after": "failure",
+    }
+    report = json.loads((suite.path / "report.json").read_text())
+    assert {m["name"]: m["verdict"] for m in report["models"]} == {
+        "a-fast": "passed", "b-stalled": "interrupted", "c-after": "interrupted"}
+    assert baseline.read_text() == '{"schema_version": 1, "models": {}}'
+    lines = output.splitlines()
+    assert "exportobs: interrupted: 1 of 3 models checked; not checked: b-stalled, c-after; the baseline was not updated" in lines
+    assert "FAILED exportobs::b-stalled - interrupted at torch.export: interrupted (Ctrl-C) during torch.export" in lines
+    assert "Traceback" not in output
+
+
+def test_ctrl_c_during_the_tests_checks_no_model(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_models='''
+import pytest, torch
+
+@pytest.mark.observe_export("mlp")
+def test_observes(mlp):
+    mlp(torch.randn(2, 8))
+
+def test_interrupted():
+    raise KeyboardInterrupt  # what Ctrl-C raises in a test
+''')
+    result = pytester.runpytest_subprocess(*ARGS, "--export-baseline=baseline.json", "--export-baseline-update")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(["exportobs: interrupted: 0 of 1 models checked; not checked: mlp; the baseline was not updated"])
+    assert "exportobs [1/1]" not in result.stdout.str()
+    assert not (pytester.path / "baseline.json").exists()
+
+
+# -- the machine's problems -----------------------------------------------------------------------
+
+# The engine reports an I/O failure that is not the model's (disk full, cache unwritable) as a failed
+# result of kind ``environment``; this stand-in gives one, so that the plugin's side is tested alone.
+DISK_FULL = '''
+from pytest_exportobs.engine import runner
+from pytest_exportobs.engine.result import ModelResult
+
+checked = runner.check_model
+
+def check_model(group, settings, progress=lambda step: None):
+    if group.name != "disk-full":
+        return checked(group, settings, progress)
+    return ModelResult(name=group.name, verdict="failed", stage="onnx-translate", kind="environment",
+                       reason="cannot write model.onnx: [Errno 28] No space left on device")
+
+runner.check_model = check_model
+'''
+
+
+def test_an_environment_failure_is_a_session_error_not_a_verdict(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(models=MODELS, conftest=CONFTEST + DISK_FULL, test_models='''
+import pytest, torch
+
+@pytest.mark.observe_export("mlp", name="disk-full")
+def test_disk_full(mlp):
+    mlp(torch.randn(2, 8))
+
+@pytest.mark.observe_export("mlp")
+def test_fine(mlp):
+    mlp(torch.randn(2, 8))
+''')
+    old = {"verdict": "passed", "stage": "", "dims": {"x": {"0": "batch"}}}
+    (pytester.path / "baseline.json").write_text(json.dumps({"schema_version": 1, "models": {"disk-full": old}}))
+    result = pytester.runpytest_subprocess(*ARGS, "--export-baseline=baseline.json", "--export-baseline-update",
+                                           "--junitxml=junit.xml")
+    result.assert_outcomes(passed=3, errors=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines([
+        "exportobs: session problem, no verdict on disk-full (at onnx-translate): "
+        "cannot write model.onnx: [Errno 28] No space left on device",
+        "ERROR exportobs::disk-full - session problem at onnx-translate: cannot write model.onnx: *",
+    ])
+    assert junit_cases(pytester.path / "junit.xml")["exportobs::disk-full"] == "error"
+    models = json.loads((pytester.path / "baseline.json").read_text())["models"]
+    assert models["disk-full"] == {**old, "relations": [], "max_abs": None, "atol": None,
+                                   "rtol": None, "opset": None, "op_counts": {}}
+    assert models["mlp"]["verdict"] == "passed"
+
+
+def test_an_export_dir_that_cannot_be_written_is_a_usage_error(suite: pytest.Pytester) -> None:
+    (suite.path / "taken").write_text("a file, not a directory")
+    result = suite.runpytest_subprocess(*ARGS, "--export-dir=taken/artifacts")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --export-dir {suite.path}/taken/artifacts cannot be used: Not a directory"])
+
+
+# -- xdist: crashing workers -----------------------------------------------------------------------
+
+CRASHES = '''
+import os, pytest, torch
+
+def test_plain_1():
+    pass
+
+@pytest.mark.observe_export("mlp", name="a-before")
+def test_observes_before(mlp):
+    mlp(torch.randn(2, 8))
+
+@pytest.mark.observe_export("mlp", name="b-crashing")
+def test_observes_and_crashes(mlp):
+    mlp(torch.randn(3, 8))
+    if os.environ.get("CRASH") == "observing":
+        os._exit(1)
+
+@pytest.mark.observe_export("mlp", name="c-after")
+def test_observes_after(mlp):
+    mlp(torch.randn(4, 8))
+    mlp(torch.randn(5, 8))
+
+def test_plain_crashing():
+    if os.environ.get("CRASH") == "plain":
+        os._exit(1)
+
+def test_plain_2():
+    pass
+'''
+
+USER_TESTS = {
+    "test_crashes::test_plain_1": "passed", "test_crashes::test_observes_before": "passed",
+    "test_crashes::test_observes_after": "passed", "test_crashes::test_plain_2": "passed",
+}
+
+
+def crash_session(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, crash: str, *args: str) -> pytest.RunResult:
+    monkeypatch.setenv("CRASH", crash)
+    pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_crashes=CRASHES)
+    return pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--junitxml=junit.xml", "-rA", *args)
+
+
+def test_a_crashing_observing_test_fails_once_and_only_its_workers_models_are_incomplete(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = crash_session(pytester, monkeypatch, "observing", *ARGS)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert junit_cases(pytester.path / "junit.xml") == {
+        **USER_TESTS, "test_crashes::test_plain_crashing": "passed", "test_crashes::test_observes_and_crashes": "error",
+        "exportobs::a-before": "failure", "exportobs::b-crashing": "failure", "exportobs::c-after": "passed",
+    }
+    result.stdout.re_match_lines([
+        r"FAILED test_crashes.py::test_observes_and_crashes@exportobs - worker 'gw\d+' crashed while running .*",
+        r"FAILED exportobs::a-before - incomplete at observe: observed on worker gw\d+, which crashed: its observations are lost",
+        r"FAILED exportobs::b-crashing - incomplete at observe: observed on worker gw\d+, which crashed: .*",
+    ])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
+def test_without_the_plugin_the_crashing_test_fails_once_too(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    result = crash_session(pytester, monkeypatch, "observing")
+    assert junit_cases(pytester.path / "junit.xml") == {
+        **USER_TESTS, "test_crashes::test_plain_crashing": "passed", "test_crashes::test_observes_and_crashes": "error"}
+
+
+def test_a_crash_in_an_unrelated_test_ends_cleanly(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    result = crash_session(pytester, monkeypatch, "plain", *ARGS)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    cases = junit_cases(pytester.path / "junit.xml")
+    assert {k: v for k, v in cases.items() if not k.startswith("exportobs::")} == {
+        **USER_TESTS, "test_crashes::test_plain_crashing": "error", "test_crashes::test_observes_and_crashes": "passed"}
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    # A model keeps its verdict (passed) unless it was observed on the worker that crashed.
+    lost = "incomplete at observe: observed on worker gw"
+    for name in ("a-before", "b-crashing", "c-after"):
+        assert cases[f"exportobs::{name}"] == "passed" or any(
+            line.startswith(f"FAILED exportobs::{name} - {lost}") for line in result.stdout.lines)
+
+
+# -- observation never changes what a test does -------------------------------------------------
+
+INTACT = '''
+import copy, hashlib, io, json, os
+import pytest, torch
+from models import MLP
+
+X = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+FORWARD = MLP.__dict__["forward"]
+RESULTS = {}
+
+@pytest.fixture(scope="module")
+def shared():
+    torch.manual_seed(0)
+    return MLP().eval()
+
+@pytest.fixture(scope="module", autouse=True)
+def write_results():
+    yield
+    with open(os.environ["RESULTS"], "w") as f:
+        json.dump(RESULTS, f, sort_keys=True)
+
+@pytest.mark.observe_export("mlp")
+def test_deepcopy(mlp):
+    twin = copy.deepcopy(mlp)
+    with torch.no_grad():
+        twin.l2.bias.add_(1.0)
+    RESULTS["deepcopy"] = [(twin(X) - mlp(X)).tolist(), sorted(vars(twin))]
+
+@pytest.mark.observe_export("mlp")
+def test_save_and_state_dict(mlp):
+    mlp(X)
+    buffer = io.BytesIO()
+    torch.save(mlp, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    RESULTS["save"] = [hashlib.sha256(buffer.getvalue()).hexdigest(), loaded(X).tolist()]
+    RESULTS["state_dict"] = {k: v.sum().item() for k, v in mlp.state_dict().items()}
+
+@pytest.mark.observe_export("mlp")
+def test_compile(mlp):
+    RESULTS["compile"] = torch.compile(mlp, fullgraph=True, backend="eager")(X).tolist()
+
+@pytest.mark.observe_export("shared")
+@pytest.mark.observe_export("shared", name="shared-again")
+def test_two_markers_and_watch(shared, export_observer):
+    assert export_observer.watch(shared, name="shared-watched") is shared
+    RESULTS["nested"] = shared(X).tolist()
+
+def test_after_the_others(shared, export_observer):  # the fixture keeps it on the observing worker
+    RESULTS["intact"] = [sorted(vars(shared)) == sorted(vars(MLP())), MLP.__dict__["forward"] is FORWARD]
+'''
+
+
+def test_observed_tests_behave_exactly_as_unobserved_ones(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_intact=INTACT)
+    runs = {"off": [], "on": ARGS, "on-xdist": [*ARGS, "-n", "2"]}
+    results = {}
+    for run, args in runs.items():
+        monkeypatch.setenv("RESULTS", f"{run}.json")
+        outcome = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--junitxml=junit.xml", *args)
+        cases = junit_cases(pytester.path / "junit.xml")
+        assert {k: v for k, v in cases.items() if k.startswith("test_intact::")} == dict.fromkeys(
+            ["test_intact::test_deepcopy", "test_intact::test_save_and_state_dict", "test_intact::test_compile",
+             "test_intact::test_two_markers_and_watch", "test_intact::test_after_the_others"], "passed"), run
+        assert outcome.ret == 0, run
+        results[run] = json.loads((pytester.path / f"{run}.json").read_text())
+    assert results["off"]["intact"] == [True, True]
+    assert results["on"] == results["off"]
+    assert results["on-xdist"] == results["off"]
