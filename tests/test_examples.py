@@ -58,8 +58,9 @@ def junit_outcomes(path: Path) -> dict[str, str]:
 def test_verdict_is_the_experts(session: dict[str, Any], name: str) -> None:
     expected, model = expectations.EXPECTED[name], session["models"][name]
     assert session["outcomes"][name] == expected.verdict, model["reason"]
-    assert (model["verdict"], model["stage"] if expected.stage else "", model["kind"]) == (
-        expected.verdict, expected.stage, expected.kind)
+    assert (model["verdict"], model["kind"]) == (expected.verdict, expected.kind), model["reason"]
+    if expected.stages:
+        assert model["stage"] in expected.stages, model["reason"]
     for graph in model["graphs"]:
         taken = set(graph["inputs"])
         missing = {
@@ -84,15 +85,23 @@ def test_passing_graphs_serve_held_out_inputs(session: dict[str, Any], name: str
 
     with register_flattening_functions(), torch.no_grad():
         for call in expectations.HELD_OUT[name](model):
-            names, tensors = flat_inputs(call)
-            graph = next((g for g in model_result["graphs"] if sorted(g["inputs"]) == sorted(names)), None)
-            assert graph is not None, f"no graph takes {names}: {[g['inputs'] for g in model_result['graphs']]}"
+            graph = serving_graph(model_result["graphs"], call)
+            call = {k: v for k, v in call.items() if any(i == k or i.startswith(f"{k}.") for i in graph["inputs"])}
             outputs = model(**_pytree.tree_map(_copy, call), **graph["constants"])
             expected = [t for t in _pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+            names, tensors = flat_inputs(call)
             actual = run_onnx(session["project"] / graph["onnx_path"], dict(zip(names, tensors)), graph["inputs"])
             assert len(actual) == len(expected)
             for got, ref in zip(actual, expected):
                 torch.testing.assert_close(torch.from_numpy(got), ref, atol=1e-4, rtol=1e-3)
+
+
+def serving_graph(graphs: list[dict[str, Any]], call: dict[str, Any]) -> dict[str, Any]:
+    """The graph taking the most of the call's inputs, and none it lacks."""
+    names = set(flat_inputs(call)[0])
+    serving = [g for g in graphs if set(g["inputs"]) <= names]
+    assert serving, f"no graph takes some of {sorted(names)}: {[g['inputs'] for g in graphs]}"
+    return max(serving, key=lambda g: len(g["inputs"]))
 
 
 def flat_inputs(call: dict[str, Any]) -> tuple[list[str], list[torch.Tensor]]:

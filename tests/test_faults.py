@@ -171,7 +171,7 @@ def test_ctrl_c_while_checking_reports_what_was_checked_and_writes_no_baseline(
     }
     report = json.loads((suite.path / "report.json").read_text())
     assert {m["name"]: m["verdict"] for m in report["models"]} == {
-        "a-fast": "passed", "b-stalled": "interrupted", "c-after": "interrupted"}
+        "a-fast": "passed", "b-stalled": "interrupted", "c-after": "interrupted"}, output
     assert baseline.read_text() == '{"schema_version": 1, "models": {}}'
     lines = output.splitlines()
     assert "exportobs: interrupted: 1 of 3 models checked; not checked: b-stalled, c-after; the baseline was not updated" in lines

@@ -74,6 +74,9 @@ def test_the_engine_says_which_form_of_dims_torch_was_given(llama: torch.nn.Modu
     assert result.relations == ["total_seq = past_seq + seq"]
     graph = result.graphs[0]
     assert graph.dims_form == ("ShapesSpec" if spec_api() is not None else "Dim")
+    if not graph.program_path:  # transformers 4.57 builds masks with an operator torch.export.save refuses
+        assert any(note.startswith("the exported program was not saved (SerializeError") for note in graph.notes)
+        return
     assert Path(graph.program_path) == tmp_path / "llama" / "model.pt2"
     with register_flattening_functions():
         program = torch.export.load(graph.program_path)

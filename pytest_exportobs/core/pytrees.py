@@ -289,12 +289,16 @@ def _unflatten_encoder_decoder_cache(children: Sequence[Any], context: list[str]
     return _cache_utils().EncoderDecoderCache(*children)
 
 
-def _with_keys(flatten: Flatten) -> Callable[[Any], tuple[list[tuple[Any, Any]], list[str]]]:
+def _with_keys(
+    flatten: Flatten, key: Callable[[str], Any] = pytree.GetAttrKey
+) -> Callable[[Any], tuple[list[tuple[Any, Any]], list[str]]]:
+    """A ``flatten_with_keys`` from ``flatten`` whose context names the children.  Attribute keys
+    by default: torch's ShapesSpec (torch >= 2.14) addresses a registered class's children with
+    ObjectSpec, which matches them by GetAttrKey name."""
+
     def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
         children, context = flatten(obj)
-        # attribute keys: torch's ShapesSpec (torch >= 2.14) addresses a registered class's
-        # children with ObjectSpec, which matches them by GetAttrKey name
-        keys = [pytree.GetAttrKey(n) for n in _names(context)]
+        keys = [key(n) for n in _names(context)]
         return list(zip(keys, children, strict=True)), context
 
     return flatten_with_keys
@@ -367,6 +371,24 @@ def register_flattening_functions(patch_transformers: bool = True) -> Iterator[N
     wanted = patch_transformers and importlib.util.find_spec("transformers") is not None
     held = _acquire(_transformers_nodes()) if wanted else []
     try:
-        yield
+        with _keyed_model_outputs() if wanted else contextlib.nullcontext():
+            yield
     finally:
         _release(held)
+
+
+@contextlib.contextmanager
+def _keyed_model_outputs() -> Iterator[None]:
+    """Key paths for the model outputs transformers registers without them (4.57): torch.export
+    flattens its inputs with key paths, and ``generate()`` passes ``encoder_outputs`` as one."""
+    keyless = {
+        cls: node for cls, node in list(pytree.SUPPORTED_NODES.items())
+        if node.flatten_with_keys_fn is None and cls.__module__.startswith("transformers.")
+    }
+    for cls, node in keyless.items():
+        pytree.SUPPORTED_NODES[cls] = node._replace(flatten_with_keys_fn=_with_keys(node.flatten_fn, pytree.MappingKey))
+    try:
+        yield
+    finally:
+        for cls, node in keyless.items():
+            pytree.SUPPORTED_NODES[cls] = node

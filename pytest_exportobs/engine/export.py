@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..core.text import error_line
 from ..core.trees import detached_clone, spec_paths
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import example_leaves
@@ -117,11 +118,7 @@ def export_model(
         names = _refine(shapes, program_shapes(program), outcome)
         if target == "torch":
             outcome.dims = read_dims(shapes, outcome.example.inputs, program_shapes(program), names)
-            with stages.run("torch.export"), writing("torch.export", f"the exported program {onnx_path.with_suffix('.pt2')}"):
-                onnx_path.parent.mkdir(parents=True, exist_ok=True)
-                program.example_inputs = None  # a cache among them would need allow-listed classes to load
-                torch.export.save(program, onnx_path.with_suffix(".pt2"))
-            outcome.program_path = str(onnx_path.with_suffix(".pt2"))
+            _save_program(program, onnx_path.with_suffix(".pt2"), outcome)
             return outcome
         _to_onnx(stages, program, names, onnx_path, outcome)
         outcome.dims = _onnx_dims(shapes, onnx_path, outcome)
@@ -166,6 +163,22 @@ def _refine(shapes: ShapeModel, read: list[Shape], outcome: ExportOutcome) -> di
             if leaf in inputs:
                 names.setdefault(str(read[inputs.index(leaf)][dim]), var.name)
     return names
+
+
+def _save_program(program: torch.export.ExportedProgram, path: Path, outcome: ExportOutcome) -> None:
+    """Save the program (``--export-target torch``'s artifact); one torch cannot serialize is a
+    note, never a failure of the model."""
+    with writing("torch.export", f"the exported program {path}"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        program.example_inputs = None  # a cache among them would need allow-listed classes to load
+        try:
+            torch.export.save(program, path)
+        except OSError:
+            raise
+        except Exception as e:  # an operator torch.export.save does not serialize
+            outcome.notes.append(f"the exported program was not saved ({error_line(e)})")
+            return
+    outcome.program_path = str(path)
 
 
 def _to_onnx(stages: Stages, program: Any, names: dict[str, str], path: Path, outcome: ExportOutcome) -> None:

@@ -74,9 +74,7 @@ def trace(
         for axis in static_axes(shapes, example.inputs, read):
             _keep_static(shapes, {axis.variable.name: axis.value}, watch, notes)
         for name, symbol, upper in upper_bounds(shapes, example.inputs, read, program.range_constraints):
-            if accepts(name, upper + 1):
-                what = f"bounded to at most {upper} (eager runs {name}={upper + 1})"
-                raise Specialized(shapes, name, what, watch.bound_location(symbol))
+            _check_bound(shapes, example, name, upper, accepts, watch.bound_location(symbol), notes)
         return program, form
 
 
@@ -148,6 +146,21 @@ def capturing() -> Iterator[None]:
             if hasattr(_patches, name):
                 stack.enter_context(getattr(_patches, name)())
         yield
+
+
+def _check_bound(
+    shapes: ShapeModel, example: Example, name: str, upper: int, accepts: Accepts, location: str, notes: list[str],
+) -> None:
+    """A demanded dim torch bounds at or below its size in the example is pinned to what was
+    traced: :class:`Specialized` when eager runs the next size.  A bound above it is the model's
+    limit (``seq <= 128`` of its position table, the length of a static cache): a note."""
+    if not accepts(name, upper + 1):
+        return
+    var = next(v for v in shapes.variables if v.name == name)
+    traced = max((example.leaves[leaf].shape[dim] for leaf, dim in var.axes if leaf in example.inputs), default=0)
+    if upper <= traced:
+        raise Specialized(shapes, name, f"bounded to at most {upper} (eager runs {name}={upper + 1})", location)
+    notes.append(f"torch.export bounds {name} to at most {upper}, though eager runs {name}={upper + 1}")
 
 
 def suggested_fixes(message: str) -> list[tuple[str, str]]:

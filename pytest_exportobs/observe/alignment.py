@@ -22,7 +22,7 @@ from ..core.strings import string_type
 from .binding import (
     CONSTANT_TYPES, UnsupportedInput, bind_all, is_absent, missing_by_name, per_call_constants, uniform_constant,
 )
-from ..core.trees import spec_structure
+from ..core.trees import spec_paths, spec_structure
 
 SEQUENCE_AXIS_BY_RANK = {1: 0, 2: 1, 3: 1, 4: 2}
 
@@ -292,11 +292,14 @@ def _exportable(leaf: Any) -> bool:
 
 
 def _leaf_names(name: str, value: Any) -> tuple[str, ...]:
-    """Readable names of a slot's leaves: ``x``, ``past_key_values.key_0``, ``inputs.0.a``."""
-    paths, _ = _pytree.tree_flatten_with_path(value)
-    return tuple(
-        ".".join([name, *(_key_name(k) for k in path)]) for path, _ in paths
-    )
+    """Readable names of a slot's leaves: ``x``, ``past_key_values.key_0``, ``inputs.0.a``; from
+    the pytree spec when a class is registered without key paths (transformers 4.57's model
+    outputs)."""
+    try:
+        paths = [".".join(_key_name(k) for k in path) for path, _ in _pytree.tree_flatten_with_path(value)[0]]
+    except ValueError:  # "Did not find a flatten_with_keys_fn"
+        paths = spec_paths(_pytree.tree_flatten(value)[1])
+    return tuple(f"{name}.{path}" if path else name for path in paths)
 
 
 def _key_name(key: Any) -> str:
