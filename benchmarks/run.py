@@ -1,4 +1,4 @@
-"""Run the four benchmarks of pytest-exportobs and print one ratio per line.
+"""Run the five benchmarks of pytest-exportobs and print one ratio per line.
 
     python benchmarks/run.py [--quick] [--only P1,P3] [--verbose]
 
@@ -6,6 +6,7 @@ P1  plugin installed, flag off  vs  -p no:exportobs          (target <= 1.02)
 P2  observed call phase          vs  the same calls, plain     (target <= 1.10)
 P3  engine finishing one model   vs  hand-written export + ORT (target <= 1.15)
 P4  second, cached engine run    vs  the first                 (target <= 0.2)
+P5  -n 2 / --export-jobs 2       vs  serial / --export-jobs 1  (target <= 0.65)
 
 Each benchmark runs in its own child process (P3 and P4 share one), so that none inherits another's
 imports, caches or memory.  Ratios come from CPU time (see README.md); absolute numbers follow each
@@ -31,6 +32,7 @@ SCRIPTS = {
     "P2": ["p2_observation.py"],
     "P3": ["p3_p4_export.py"],
     "P4": ["p3_p4_export.py"],
+    "P5": ["p5_scale.py"],
 }
 
 
@@ -48,7 +50,7 @@ def run(script: str, extra: list[str], verbose: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Benchmarks of pytest-exportobs (ratios measured in this run)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (less precise)")
-    parser.add_argument("--only", default="P1,P2,P3,P4", help="comma-separated subset, e.g. P1,P4")
+    parser.add_argument("--only", default="P1,P2,P3,P4,P5", help="comma-separated subset, e.g. P1,P4")
     parser.add_argument("--verbose", action="store_true", help="show the benchmarks' progress")
     parser.add_argument("--mlp", action="store_true", help="P3/P4 on an MLP instead of the tiny Llama")
     args = parser.parse_args(argv)
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     begin = time.perf_counter()
     failed = False
     done: set[str] = set()
-    for name in ("P1", "P2", "P3", "P4"):
+    for name in ("P1", "P2", "P3", "P4", "P5"):
         if name not in wanted or name in done:
             continue
         script_args = list(extra)

@@ -133,15 +133,14 @@ class HalvingUNet(torch.nn.Module):
 
 
 def junit_cases(path: Path) -> dict[str, str]:
-    """``classname::name`` -> outcome of every testcase in a junit xml file, each reported once;
-    xdist's group suffix ``@exportobs`` (see plugin/xdist.py) is left out of the names."""
+    """``classname::name`` -> outcome of every testcase in a junit xml file, each reported once."""
     import xml.etree.ElementTree as ET
 
     cases: dict[str, str] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         children = {child.tag for child in case}
         outcome = next((tag for tag in ("failure", "error", "skipped") if tag in children), "passed")
-        name = f"{case.get('classname')}::{case.get('name')}".removesuffix("@exportobs")
+        name = f"{case.get('classname')}::{case.get('name')}"
         assert name not in cases, f"{name} reported twice"
         cases[name] = outcome
     return cases

@@ -179,6 +179,19 @@ def test_missing_model_is_reported_and_fails_in_strict_mode():
     )
 
 
+def test_a_model_whose_tests_were_not_collected_is_left_out_not_missing():
+    old = baseline(result("lm", sources=["t.py::test_lm"]), result("vit", sources=["t.py::test_vit", "u.py::test_vit"]),
+                   result("old"))  # no tests recorded: missing whenever it is not observed
+    shard = gate(old, [result("lm", sources=["t.py::test_lm"])], strict=True, collected={"t.py::test_lm"})
+    assert [(e.name, e.outcome) for e in shard.entries] == [("lm", "passed"), ("old", "failed")]
+    assert shard.uncollected == ["vit"]
+    assert shard.summary_line() == (
+        "exportobs gate: 1 failure (old: in the baseline but not observed (strict)); 1 baseline model not collected here")
+    skipped = gate(old, [], collected={"u.py::test_vit"})  # collected but not observed (skipped test, ...)
+    assert [(e.name, e.outcome) for e in skipped.entries] == [("old", "missing"), ("vit", "missing")]
+    assert skipped.uncollected == ["lm"]
+
+
 def test_model_absent_from_the_baseline_is_checked_on_its_own():
     old = baseline(result("lm"))
     g = gate(old, [result("lm"), result("new", "failed", stage="verify"), result("ok")], strict=False)
@@ -216,6 +229,7 @@ def recorded() -> Baseline:
         result(
             "lm", dims=LM_DIMS, relations=["seq == past + 1"], max_abs=3.1e-07, atol=1e-4, rtol=0.1,
             opset=18, op_counts={"MatMul": 2, "Add": 1}, stage="variations", env={"onnx": "1.19.0"},
+            sources=["test_lm.py::test_generate", "test_lm.py::test_forward"],
         ),
     )
 
@@ -246,6 +260,10 @@ EXPECTED_FILE = """\
       ],
       "rtol": 0.1,
       "stage": "",
+      "tests": [
+        "test_lm.py::test_forward",
+        "test_lm.py::test_generate"
+      ],
       "verdict": "passed"
     },
     "vit": {
@@ -257,6 +275,7 @@ EXPECTED_FILE = """\
       "relations": [],
       "rtol": null,
       "stage": "torch.export",
+      "tests": [],
       "verdict": "failed"
     }
   },
@@ -328,7 +347,7 @@ UNREADABLE = {
     "not json": ("hello", "not valid JSON (Expecting value at line 1, column 1)"),
     "truncated": (
         EXPECTED_FILE[: len(EXPECTED_FILE) // 2],
-        "not valid JSON (Expecting value at line 22, column 7)",
+        "not valid JSON (Unterminated string starting at at line 25, column 7)",
     ),
     "top level": ("[]", "the top level must be an object, got []"),
     "no version": ('{"models": {}}', "no schema_version (not an exportobs baseline?)"),

@@ -96,6 +96,7 @@ def test_json_and_markdown(tmp_path):
                 {"name": "gone", "before": "passed, static", "now": "absent"},
                 {"name": "vit", "before": "passed, static", "now": "failed at torch.export, static"},
             ],
+            "uncollected": [],
         },
         "models": [lm.to_json(), vit.to_json()],
     }

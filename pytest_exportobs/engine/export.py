@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import time
 import traceback
 from collections import Counter
@@ -218,6 +219,15 @@ def _load_cached(cache: ExportCache, key: str, path: Path, shapes: ShapeModel, o
     outcome.notes = [*entry.notes, "export cache hit: torch.export and translation skipped"]
     outcome.dims = _onnx_dims(shapes, path, outcome)
     return True
+
+
+def prepare(target: str) -> None:
+    """Import what the first export imports and build the torchlib registry, once: checks forked
+    from this process inherit them instead of each paying about 2 s for them."""
+    importlib.import_module("torch.export._trace")
+    if target == "onnx":
+        importlib.import_module("onnxruntime")
+        _registry()
 
 
 # The two steps ``torch.onnx.export(exported_program)`` runs, called apart so that each is timed

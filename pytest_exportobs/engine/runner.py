@@ -1,8 +1,8 @@
-"""Check the groups one after the other, in process or each in a forked child (``--export-isolate``),
-each within the session's time limit (``--export-timeout``).
+"""Check the groups within the session's time limit (``--export-timeout``): one after the other
+in process, or each in a forked child (``--export-isolate``), ``--export-jobs`` children at once.
 
-Ctrl-C (``KeyboardInterrupt``) stops the checks at once (a forked child is killed): the model
-being checked and those after it are ``interrupted``.
+Ctrl-C (``KeyboardInterrupt``) stops the checks at once (forked children are killed): the models
+being checked and those not begun are ``interrupted``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from types import FrameType
 from typing import Any
 
+import torch
+
 from ..observe.store import ModelGroup
 from .check import check_model
+from .export import prepare
 from .result import ENVIRONMENT, FAILED, INTERRUPTED, ModelResult
 from .settings import CheckSettings
 
@@ -49,6 +52,11 @@ class _Progress:
         self.stage = _STAGE_OF_STEP.get(name, name)
         self.line(f"{step} ({time.perf_counter() - self.begin:.1f}s)")
 
+    def done(self, result: ModelResult) -> ModelResult:
+        """Write the verdict and the time the check took; return ``result``."""
+        self.line(f"{result.verdict} in {time.perf_counter() - self.begin:.1f}s")
+        return result
+
     def line(self, text: str) -> None:
         if self.write:
             self.write(f"{self.prefix}: {text}")
@@ -56,20 +64,39 @@ class _Progress:
 
 def check_all(
     groups: Iterable[ModelGroup], settings: CheckSettings, isolate: bool,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, jobs: int = 1, threads: int | None = None,
 ) -> Iterator[ModelResult]:
-    """Yield one result per group; ``progress`` receives one line per model and stage."""
+    """Yield one result per group, in the order the checks end; ``progress`` receives one line
+    per model and stage.  With ``isolate`` or ``jobs`` > 1 each check runs in a forked child,
+    ``jobs`` of them at once.  Each check runs with ``threads`` torch threads (``None``: as many
+    as now)."""
+    threads = threads or torch.get_num_threads()
     groups = list(groups)
-    for position, group in enumerate(groups, 1):
-        tracker = _Progress(f"exportobs [{position}/{len(groups)}] {group.name}", progress)
+    trackers = [_Progress(f"exportobs [{i}/{len(groups)}] {g.name}", progress) for i, g in enumerate(groups, 1)]
+    if isolate or jobs > 1:
+        yield from _forked(groups, settings, trackers, jobs, threads)
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield from _in_turn(groups, settings, trackers)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _in_turn(groups: list[ModelGroup], settings: CheckSettings, trackers: list[_Progress]) -> Iterator[ModelResult]:
+    for position, (group, tracker) in enumerate(zip(groups, trackers)):
+        tracker.begin = time.perf_counter()
         try:
-            result = _check(group, settings, isolate, tracker)
-            tracker.line(f"{result.verdict} in {time.perf_counter() - tracker.begin:.1f}s")
+            with time_limit(settings.timeout):
+                result = check_model(group, settings, tracker)
+        except ModelTimeout:
+            result = _timed_out(group, settings, tracker.stage)
         except KeyboardInterrupt:
             yield interrupted(group, tracker.stage)
-            yield from map(interrupted, groups[position:])
+            yield from map(interrupted, groups[position + 1:])
             return
-        yield result
+        yield tracker.done(result)
 
 
 def interrupted(group: ModelGroup, stage: str = "") -> ModelResult:
@@ -84,17 +111,8 @@ def _result(group: ModelGroup, verdict: str = FAILED, **fields: Any) -> ModelRes
                        model_class=group.model_class, n_observations=group.recorder.num_obs(), **fields)
 
 
-def _check(group: ModelGroup, settings: CheckSettings, isolate: bool, progress: _Progress) -> ModelResult:
-    try:
-        return _isolated(group, settings, progress) if isolate else _in_process(group, settings, progress)
-    except ModelTimeout:
-        return _result(group, stage=progress.stage, kind=TIMEOUT,
-                       reason=f"timed out after {settings.timeout:g} s during {progress.stage}")
-
-
-def _in_process(group: ModelGroup, settings: CheckSettings, progress: _Progress) -> ModelResult:
-    with time_limit(settings.timeout):
-        return check_model(group, settings, progress)
+def _timed_out(group: ModelGroup, settings: CheckSettings, stage: str) -> ModelResult:
+    return _result(group, stage=stage, kind=TIMEOUT, reason=f"timed out after {settings.timeout:g} s during {stage}")
 
 
 @contextlib.contextmanager
@@ -175,51 +193,110 @@ def _async_exception_after(seconds: float) -> Iterator[None]:
         set_async_exc(ctypes.c_ulong(target), None)  # one not seen yet must not hit the caller
 
 
-def _isolated(group: ModelGroup, settings: CheckSettings, progress: _Progress) -> ModelResult:
-    """Run the check in a forked child: a native crash fails this model, not the session.  The
-    child is killed when the time is up or the session is interrupted."""
+@dataclass
+class _Child:
+    """A check running in a forked child: its steps and result come through ``receiver``."""
+
+    group: ModelGroup
+    tracker: _Progress
+    process: multiprocessing.process.BaseProcess
+    receiver: Connection
+    deadline: float | None
+    data: dict[str, Any] | None = None
+
+    def read(self) -> bool:
+        """Take one message from the child; ``False`` once it has nothing more to say."""
+        try:
+            kind, value = self.receiver.recv()
+        except EOFError:
+            return False
+        if kind == "result":
+            self.data = value
+        else:
+            self.tracker(value)
+        return True
+
+    def end(self) -> ModelResult:
+        """Wait for the child to exit; its result, or the failure its death is."""
+        self.process.join()
+        self.receiver.close()
+        if self.data is not None and self.process.exitcode == 0:
+            return ModelResult.from_json(self.data)
+        return _result(self.group, stage="isolate", kind="error",
+                       reason=f"the isolated check process died ({_exit_reason(self.process.exitcode)})")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.receiver.close()
+
+
+def _forked(
+    groups: list[ModelGroup], settings: CheckSettings, trackers: list[_Progress], jobs: int, threads: int,
+) -> Iterator[ModelResult]:
+    """Check each group in a forked child, ``jobs`` at once: a native crash fails its model, not
+    the session.  A child is killed when its time is up or the session is interrupted."""
+    prepare(settings.target)
+    waiting = list(zip(groups, trackers))
+    running: list[_Child] = []
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                started = _start(*waiting.pop(0), settings, threads)
+                if isinstance(started, _Child):
+                    running.append(started)
+                else:
+                    yield started
+            for child, late in _ended(running):
+                running.remove(child)
+                yield child.tracker.done(_kill_timed_out(child, settings) if late else child.end())
+    except KeyboardInterrupt:
+        for child in running:
+            child.kill()
+        yield from (interrupted(c.group, c.tracker.stage) for c in running)
+        yield from (interrupted(g) for g, _ in waiting)
+
+
+def _start(group: ModelGroup, tracker: _Progress, settings: CheckSettings, threads: int) -> _Child | ModelResult:
+    """Fork the child checking ``group``; the failure when it cannot be started."""
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(group, settings, sender), daemon=True)
+    process = context.Process(target=_child, args=(group, settings, sender, threads), daemon=True)
+    tracker.begin = time.perf_counter()
     try:
-        child.start()
+        process.start()
     except OSError as e:
         receiver.close()
-        return _result(group, stage="isolate", kind=ENVIRONMENT,
-                       reason=f"could not start the isolated check process: {e}")
+        return tracker.done(_result(group, stage="isolate", kind=ENVIRONMENT,
+                                    reason=f"could not start the isolated check process: {e}"))
     finally:
         sender.close()
-    try:
-        data = _receive(receiver, progress, settings.timeout)
-    except BaseException:
-        child.kill()
-        raise
-    finally:
-        child.join()
-        receiver.close()
-    if data is not None and child.exitcode == 0:
-        return ModelResult.from_json(data)
-    return _result(group, stage="isolate", kind="error",
-                   reason=f"the isolated check process died ({_exit_reason(child.exitcode)})")
+    deadline = None if settings.timeout is None else time.monotonic() + settings.timeout
+    return _Child(group, tracker, process, receiver, deadline)
 
 
-def _receive(receiver: Connection, progress: _Progress, timeout: float | None) -> dict[str, Any] | None:
-    """The child's result (``None`` when it died first), its steps passed on to ``progress``."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+def _ended(running: list[_Child]) -> list[tuple[_Child, bool]]:
+    """Read the children's messages until some have ended or run out of time (``True``)."""
     while True:
-        if not receiver.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
-            raise ModelTimeout
-        try:
-            kind, value = receiver.recv()
-        except EOFError:
-            return None
-        if kind == "result":
-            return value
-        progress(value)
+        deadlines = [c.deadline for c in running if c.deadline is not None]
+        timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+        readable = wait([c.receiver for c in running], timeout)
+        ended = [(c, False) for c in running if c.receiver in readable and not c.read()]
+        now = time.monotonic()
+        ended += [(c, True) for c in running
+                  if c.deadline is not None and now >= c.deadline and all(c is not e for e, _ in ended)]
+        if ended:
+            return ended
 
 
-def _child(group: ModelGroup, settings: CheckSettings, sender: Connection) -> None:
+def _kill_timed_out(child: _Child, settings: CheckSettings) -> ModelResult:
+    child.kill()
+    return _timed_out(child.group, settings, child.tracker.stage)
+
+
+def _child(group: ModelGroup, settings: CheckSettings, sender: Connection, threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to answer: it kills this process
+    torch.set_num_threads(threads)  # the children share the cores
     result = check_model(group, settings, lambda step: sender.send(("step", step)))
     sender.send(("result", result.to_json()))
     sender.close()

@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -62,6 +62,7 @@ CHECKS: Checks = {
     "rtol": (_optional(is_a(int, float)), "a number or null"),
     "opset": (_optional(is_a(int)), "an integer or null"),
     "op_counts": (dict_of(is_a(int)), "an object of integers"),
+    "tests": (list_of(is_a(str)), "a list of test node ids"),
 }
 
 
@@ -126,13 +127,19 @@ class BaselineEntry:
     rtol: float | None = None
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
+    tests: list[str] = field(default_factory=list)  # the tests that observed it
 
     @classmethod
     def from_result(cls, result: ModelResult) -> BaselineEntry:
-        values = {f.name: copy.deepcopy(getattr(result, f.name)) for f in dataclasses.fields(cls)}
+        values = {f.name: copy.deepcopy(getattr(result, f.name)) for f in dataclasses.fields(cls) if f.name != "tests"}
         if result.passed:
             values["stage"] = ""
-        return cls(**values)
+        return cls(**values, tests=sorted(result.sources))
+
+    def collected_in(self, collected: Set[str] | None) -> bool:
+        """Whether a session that collected the tests ``collected`` (``None``: unknown) should
+        have observed this model: one of its tests is among them, or its tests are not known."""
+        return collected is None or not self.tests or not collected.isdisjoint(self.tests)
 
     @classmethod
     def from_json(cls, name: str, data: Any) -> BaselineEntry:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,7 @@ class Gate:
     has_baseline: bool = False
     versions: Versions = field(default_factory=dict)
     changes: list[Change] = field(default_factory=list)  # the models whose state differs
+    uncollected: list[str] = field(default_factory=list)  # baseline models none of whose tests ran here
 
     @property
     def failed(self) -> bool:
@@ -97,6 +99,7 @@ class Gate:
             "entries": [dataclasses.asdict(e) for e in self.entries],
             "versions": {package: list(pair) for package, pair in self.versions.items()},
             "changes": [dataclasses.asdict(c) for c in self.changes],
+            "uncollected": list(self.uncollected),
         }
 
     def versions_text(self) -> str:
@@ -114,6 +117,8 @@ class Gate:
         fixed = [e.name for e in self.entries if e.outcome == XPASSED]
         if fixed:
             line += f"; fixed: {', '.join(fixed)} — {UPDATE_HINT} {'it' if len(fixed) == 1 else 'them'}"
+        if self.uncollected:
+            line += f"; {_count(len(self.uncollected), 'baseline model{s}')} not collected here"
         return f"exportobs gate: {line}"
 
     def _counts(self) -> str:
@@ -140,18 +145,24 @@ def _at(what: str, stage: str) -> str:
     return f"{what} at {stage}" if stage else what
 
 
-def gate(baseline: Baseline | None, results: list[ModelResult], strict: bool = False) -> Gate:
-    """Judge each model's result against its baseline entry (or on its own without a baseline)."""
+def gate(
+    baseline: Baseline | None, results: list[ModelResult], strict: bool = False, collected: Set[str] | None = None,
+) -> Gate:
+    """Judge each model's result against its baseline entry (or on its own without a baseline).
+    A baseline model not observed is missing when the session ``collected`` one of its tests (or
+    its tests are not known); otherwise its tests ran elsewhere (``-k``, a CI shard) and it is
+    left out."""
     old = baseline.models if baseline is not None else {}
     new = {r.name: r for r in results}
     has_baseline = baseline is not None
     versions = changed_versions(baseline.env, session_env(results)) if baseline is not None else {}
+    uncollected = sorted(n for n in old.keys() - new.keys() if not old[n].collected_in(collected))
     entries = [
         _judge(new[name], old.get(name), strict, has_baseline, versions) if name in new else _missing(name, strict)
-        for name in sorted(new.keys() | old.keys())
+        for name in sorted(new.keys() | old.keys()) if name not in uncollected
     ]
-    changes = [c for c in states(old, new) if c.before != c.now] if has_baseline else []
-    return Gate(entries, has_baseline, versions, changes)
+    changes = [c for c in states(old, new) if c.before != c.now and c.name not in uncollected] if has_baseline else []
+    return Gate(entries, has_baseline, versions, changes, uncollected)
 
 
 def _judge(

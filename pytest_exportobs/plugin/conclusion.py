@@ -36,14 +36,15 @@ class Concluding:
         self.baseline = self._load_baseline()
         _require_export_dir(options)
 
-    def conclude(self, session: pytest.Session, observed: set[str]) -> None:
-        """Mark models observed but never checked as incomplete, judge, report, set the exit status."""
+    def conclude(self, session: pytest.Session, observed: set[str], collected: set[str]) -> None:
+        """Mark models observed but never checked as incomplete, judge (a baseline model is
+        missing only when one of its tests was ``collected``), report, set the exit status."""
         for name in sorted(observed - set(self.results)):
             self.results[name] = incomplete(name, "the process that observed it ended without a result "
                                                   "(crashed worker?)")
         results = [self.results[n] for n in sorted(self.results)]
         interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
-        self.gate = self._judge(results, record=self.options.baseline_update and not interrupted)
+        self.gate = self._judge(results, collected, record=self.options.baseline_update and not interrupted)
         self.problems += [f"exportobs: session problem, no verdict on {r.name} (at {r.stage}): {r.reason}"
                           for r in results if r.kind == ENVIRONMENT]
         if interrupted:
@@ -57,7 +58,7 @@ class Concluding:
         if (self.gate.failed or self.problems) and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
-    def _judge(self, results: list[ModelResult], record: bool) -> Gate:
+    def _judge(self, results: list[ModelResult], collected: set[str], record: bool) -> Gate:
         """The gate over the verdicts (environment failures are none); with ``record``, the
         verdicts are written into the baseline first and the session is judged by them."""
         environment = {r.name for r in results if r.kind == ENVIRONMENT}
@@ -67,7 +68,7 @@ class Concluding:
             recorded = [r for r in judged if r.verdict not in (INCOMPLETE, INTERRUPTED)]
             baseline = Baseline.from_results(recorded)  # failures become known ones
             self._write(f"baseline {self.options.baseline}", lambda: self._update_baseline(recorded))
-        return gate(baseline, judged, self.options.strict)
+        return gate(baseline, judged, self.options.strict, collected)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.gate is None:

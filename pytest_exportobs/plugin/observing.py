@@ -31,9 +31,9 @@ def marked_names(item: pytest.Item) -> list[str]:
     return [mark.kwargs.get("name") or fixture for mark in item.iter_markers(MARKER) for fixture in mark.args]
 
 
-def observes(item: pytest.Item) -> bool:
-    """Whether a test observes a model (marker or ``export_observer`` fixture)."""
-    return item.get_closest_marker(MARKER) is not None or "export_observer" in getattr(item, "fixturenames", ())
+def watches(item: pytest.Item) -> bool:
+    """Whether a test may observe models through ``export_observer.watch()``."""
+    return "export_observer" in getattr(item, "fixturenames", ())
 
 
 class Observing:

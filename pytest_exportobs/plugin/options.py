@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,8 @@ class Options:
     baseline_prune: bool
     strict: bool
     isolate: bool
+    jobs: int
+    threads: int  # torch threads of each check: the process's share of the cores, per job
     check: CheckSettings
 
     @classmethod
@@ -35,6 +38,7 @@ class Options:
                                     "without the check there is nothing to record")
         if option.export_baseline_prune and not option.export_baseline_update:
             raise pytest.UsageError("--export-baseline-prune only applies with --export-baseline-update")
+        jobs = _jobs(option.export_jobs or config.getini("export_jobs"), config)
         return cls(
             enabled=enabled,
             report=_path(config, option.export_report, "export_report"),
@@ -43,6 +47,8 @@ class Options:
             baseline_prune=bool(option.export_baseline_prune),
             strict=bool(option.export_strict) or config.getini("export_strict"),
             isolate=bool(option.export_isolate) or config.getini("export_isolate"),
+            jobs=jobs,
+            threads=max(1, _share_of_cores(config) // jobs),
             check=CheckSettings(
                 export_dir=_path(config, option.export_dir, "export_dir") or config.rootpath / ".exportobs",
                 target=_choice(option.export_target or config.getini("export_target") or "onnx", "export_target", TARGETS),
@@ -82,6 +88,9 @@ def add_options(parser: pytest.Parser) -> None:
                     help="a fixed known failure or a baseline entry with no model fails the gate")
     group.addoption("--export-isolate", action="store_true", default=None,
                     help="export and run each model in a subprocess (a native crash fails one model)")
+    group.addoption("--export-jobs", metavar="N", default=None,
+                    help="check N models at once, each in a forked process; auto = the usable cores "
+                         "(shared among xdist workers) (ini: export_jobs; default: 1)")
     group.addoption("--export-timeout", metavar="SECONDS", default=None,
                     help="time limit of each model's check: beyond it the model fails with kind "
                          "timeout (ini: export_timeout; default: none)")
@@ -93,6 +102,7 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("export_target", "onnx or torch (like --export-target)", default="onnx")
     parser.addini("export_strict", "strict gate (like --export-strict)", type="bool", default=False)
     parser.addini("export_isolate", "one subprocess per model (like --export-isolate)", type="bool", default=False)
+    parser.addini("export_jobs", "models checked at once (like --export-jobs)", default="1")
     parser.addini("export_timeout", "time limit of each model's check in seconds (like --export-timeout)", default="")
     parser.addini("export_atol", "absolute tolerance for every model (default: per dtype)", default="")
     parser.addini("export_rtol", "relative tolerance for every model (default: per dtype)", default="")
@@ -137,6 +147,21 @@ def _timeout(value: str | None) -> float | None:
     if seconds is not None and not 0 < seconds < math.inf:
         raise pytest.UsageError(f"export_timeout must be a positive number of seconds, got {value!r}")
     return seconds
+
+
+def _share_of_cores(config: pytest.Config) -> int:
+    """The usable cores, shared among the xdist workers."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // getattr(config, "workerinput", {}).get("workercount", 1))
+
+
+def _jobs(value: str, config: pytest.Config) -> int:
+    """``auto``: this process's share of the usable cores."""
+    if value.strip() == "auto":
+        return _share_of_cores(config)
+    if not value.strip().isdigit() or int(value) < 1:
+        raise pytest.UsageError(f"export_jobs must be a positive integer or auto, got {value!r}")
+    return int(value)
 
 
 def _choice(value: str, name: str, choices: tuple[str, ...]) -> str:

@@ -36,7 +36,7 @@ def _check(
 
     if session.exitstatus == pytest.ExitCode.INTERRUPTED:
         return [interrupted(group) for group in groups]
-    results = list(check_all(groups, options.check, options.isolate, progress))
+    results = list(check_all(groups, options.check, options.isolate, progress, options.jobs, options.threads))
     if any(r.verdict == INTERRUPTED for r in results):
         session.exitstatus = pytest.ExitCode.INTERRUPTED
     return results
@@ -53,7 +53,7 @@ class LocalRole(Observing, Concluding):
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         for result in _check(session, self.groups(), self.options, progress_writer(self.config)):
             self.results[result.name] = result
-        self.conclude(session, observed=set())
+        self.conclude(session, observed=set(), collected={item.nodeid for item in session.items})
 
 
 class WorkerRole(Observing):
@@ -64,9 +64,9 @@ class WorkerRole(Observing):
         self.config = config
         self.options = options
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        xdist.pin_on_worker(config, items)
+    @pytest.hookimpl(tryfirst=True)  # before xdist's sends the collection to the controller
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        xdist.write_placement(self.config, session.items)
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         xdist.announce(item)
@@ -88,15 +88,21 @@ class ControllerRole(Concluding):
         self.observed_on: dict[str, set[str]] = {}  # group name -> workers that observed (or announced) it
         self.crashed: set[str] = set()  # workers that went down with an error
         self.checked_on: dict[str, str] = {}  # group name -> worker that sent its result
-        self.pinned = xdist.pin_on_controller(config)
+        self.collected: set[str] = set()  # the node ids the workers collected
+        self.placement = xdist.placement_directory(config)
 
     @pytest.hookimpl(optionalhook=True, tryfirst=True)
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
-        return xdist.make_scheduler(config, log) if self.pinned else None
+        return None if self.placement is None else xdist.make_scheduler(config, log, self.placement)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(self, node: Any) -> None:
-        xdist.configure_node(node)
+        if self.placement is not None:
+            xdist.configure_node(node, self.placement)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        self.collected.update(ids)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         worker = xdist.worker_of(report)
@@ -120,8 +126,9 @@ class ControllerRole(Concluding):
             first = self.checked_on.setdefault(result.name, worker)
             if first != worker:
                 result = incomplete(result.name, f"observed on workers {first} and {worker}: "
-                                    "the observations of one model must stay on one worker "
-                                    "(run with --dist load or loadgroup)")
+                                    "the observations of one model must stay on one worker (under "
+                                    "--dist load the tests whose markers name it do; a model also "
+                                    "observed through watch() can be split)")
             self.results[result.name] = result
 
     @pytest.hookimpl(tryfirst=True)
@@ -131,7 +138,7 @@ class ControllerRole(Concluding):
             if lost:
                 self.results[name] = incomplete(name, f"observed on worker {', '.join(lost)}, which crashed: "
                                                       "its observations are lost")
-        self.conclude(session, self.observed)
+        self.conclude(session, self.observed, self.collected)
 
 
 def choose_role(config: pytest.Config, options: Options) -> LocalRole | WorkerRole | ControllerRole:

@@ -1,24 +1,31 @@
-"""pytest-xdist support: keep every observing test on one worker, bring results to the controller.
+"""pytest-xdist support: one worker per model, results brought to the controller.
 
-The observations of one model must all reach the process that checks it.  On the controller the
-plugin switches ``--dist load`` to ``loadgroup`` (LoadGroupScheduling sends the tests whose node
-id ends in ``@<group>`` to one worker; see :mod:`.scheduling` for how crashes are handled); on
-each worker it gives every observing test (marker or ``export_observer`` fixture) the
-``@exportobs`` suffix.  xdist's own suffixing of ``xdist_group``-marked tests writes
-``item._nodeid``, which pytest ≥ 9.1 no longer reads, so the suffix is set here for both layouts.
+The observations of one model must all reach the process that checks it, while different models
+may go to different workers, which check them at the same time.  On the controller the plugin
+replaces ``--dist load`` (the default) with :class:`~.scheduling.ModelScheduling`, which sends
+the tests of one *placement group* to one worker.  Each worker computes the groups from its
+collection — the tests whose markers name a common model, merged transitively; every test that
+calls ``export_observer.watch()`` (its model is known only when it runs) in one group — and
+writes them to a directory the controller passed in ``workerinput``.  Node ids are left as they
+are.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .observing import ANNOUNCED_PROPERTY, marked_names, observes
+from ..core.files import json_text, write_atomic
+from .observing import ANNOUNCED_PROPERTY, marked_names, watches
 
-GROUP = "exportobs"
-PIN_KEY = "exportobs_pin"  # workerinput: the controller pins observing tests to one worker
+PLACEMENT_KEY = "exportobs_placement"  # workerinput: the directory the workers write their placement to
 OUTPUT_KEY = "exportobs"  # workeroutput: the worker's JSON results
+WATCH_GROUP = "watch()"  # the placement group of the tests whose models are named at run time
 
 
 def is_worker(config: pytest.Config) -> bool:
@@ -30,34 +37,51 @@ def is_controller(config: pytest.Config) -> bool:
     return config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") != "no"
 
 
-def pin_on_controller(config: pytest.Config) -> bool:
-    """Schedule by group so that the observing tests share one worker; whether the plugin
-    changed the scheduling (``--dist load``, the default, becomes ``loadgroup``)."""
+def placement_directory(config: pytest.Config) -> Path | None:
+    """With ``--dist load``, a new directory for the workers' placement (removed at the end of
+    the session); ``None`` under any other ``--dist``, the user's choice."""
     if config.option.dist != "load":
-        return False
-    config.option.dist = "loadgroup"
-    return True
+        return None
+    directory = Path(tempfile.mkdtemp(prefix="exportobs-placement-"))
+    config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+    return directory
 
 
-def make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """The scheduler replacing ``--dist load``: group scheduling that handles crashes as load does."""
-    from .scheduling import PinnedScheduling
+def make_scheduler(config: pytest.Config, log: Any, directory: Path) -> Any:
+    from .scheduling import ModelScheduling
 
-    return PinnedScheduling(config, log)
-
-
-def configure_node(node: Any) -> None:
-    """Tell a new worker whether to pin (only ``loadgroup`` scheduling reads the suffix)."""
-    node.workerinput[PIN_KEY] = node.config.option.dist == "loadgroup"
+    return ModelScheduling(config, log, directory)
 
 
-def pin_on_worker(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give every observing test the ``@exportobs`` group suffix, when the controller asked."""
-    if not config.workerinput.get(PIN_KEY):
-        return
-    for item in items:
-        if observes(item):
-            _add_group_suffix(item)
+def configure_node(node: Any, directory: Path) -> None:
+    node.workerinput[PLACEMENT_KEY] = str(directory)
+
+
+def write_placement(config: pytest.Config, items: Iterable[pytest.Item]) -> None:
+    """Write the placement group of every observing test, when the controller asked for it."""
+    directory = config.workerinput.get(PLACEMENT_KEY)
+    if directory is not None:
+        write_atomic(Path(directory, f"{config.workerinput['workerid']}.json"), json_text(placement(items)))
+
+
+def placement(items: Iterable[pytest.Item]) -> dict[str, str]:
+    """``{node id: group}`` for the tests that observe: tests naming a common model share a
+    group (named after its first model in sorted order), and so do all tests calling ``watch()``."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    keys = {item.nodeid: marked_names(item) + ([WATCH_GROUP] if watches(item) else []) for item in items}
+    for names in keys.values():
+        for name in names:
+            parent[root(name)] = root(names[0])
+    label: dict[str, str] = {}  # root -> the first of its group's names in sorted order
+    for name in sorted(parent):
+        label.setdefault(root(name), name)
+    return {nodeid: f"exportobs:{label[root(names[0])]}" for nodeid, names in keys.items() if names}
 
 
 def announce(item: pytest.Item) -> None:
@@ -69,13 +93,3 @@ def worker_of(report: pytest.TestReport) -> str | None:
     """The id of the worker that sent ``report`` (``None`` for the controller's own reports)."""
     node = getattr(report, "node", None)
     return node.gateway.id if node is not None else None
-
-
-def _add_group_suffix(item: pytest.Item) -> None:
-    nodeid = f"{item.nodeid}@{GROUP}"
-    if hasattr(item, "_id"):  # pytest >= 9.1: a structured NodeId
-        from _pytest.nodeid import NodeId
-
-        item._id = NodeId.parse(nodeid)
-    else:
-        item._nodeid = nodeid

@@ -1,0 +1,121 @@
+"""P5: a suite of 6 tiny Llama models × 2 tests, checked serially, across two xdist workers, and
+in forked children two at a time.
+
+The suite is written to a temp dir: each model is a ``LlamaForCausalLM`` (2 layers, untrained,
+its own seed and hidden size, 48 to 88, so that no export is shared through the cache) behind a
+fixture, observed by two tests with ``@pytest.mark.observe_export`` that call it with
+``input_ids`` and ``attention_mask`` of different batch and sequence sizes.  Every run is
+``python -m pytest --export-check --export-examples=0 -p no:cacheprovider`` on a fresh export
+directory (no cache), in a child process, wall time measured (the point is to use both cores).
+
+* xdist: ``-n 2`` against the serial run (target <= 0.65).
+* jobs: ``--export-jobs 2`` against ``--export-jobs 1``, one process (target <= 0.65).
+
+Sides alternate (A B, B A, ...); ratio = median of the per-pair wall-time ratios.  The verdicts of
+every run must be the same (the report's verdict per model), or the benchmark fails.
+
+    python benchmarks/p5_scale.py [--quick] [--reps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _common import PYTHON, child_env, emit, interleaved, log, run_child, verdict  # noqa: E402
+
+TARGET = 0.65
+MODELS = 6
+
+CONFTEST = '''
+import pytest, torch, transformers
+
+def llama(seed, hidden):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    return transformers.LlamaForCausalLM(config).eval()
+''' + "".join(f'''
+@pytest.fixture(scope="session")
+def llama_{i}():
+    return llama({i}, {48 + 8 * i})
+''' for i in range(MODELS))
+
+TESTS = "import pytest, torch\n" + "".join(f'''
+@pytest.mark.observe_export("llama_{i}")
+def test_llama_{i}_short(llama_{i}):
+    ids = torch.randint(0, 100, (2, 5))
+    llama_{i}(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+
+@pytest.mark.observe_export("llama_{i}")
+def test_llama_{i}_long(llama_{i}):
+    ids = torch.randint(0, 100, (3, 9))
+    llama_{i}(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+''' for i in range(MODELS))
+
+SIDES = {
+    "serial": [], "-n 2": ["-n", "2"],
+    "jobs 1": ["--export-jobs=1"], "jobs 2": ["--export-jobs=2"],
+}
+
+
+def run_suite(directory: Path, args: list[str]) -> tuple[float, dict[str, str]]:
+    """One session on a fresh export directory: its wall time and the verdict per model."""
+    shutil.rmtree(directory / ".exportobs", ignore_errors=True)
+    cmd = [PYTHON, "-m", "pytest", "-q", "--export-check", "--export-examples=0", "-p", "no:cacheprovider",
+           "--export-report=report.json", *args]
+    timing, _ = run_child(cmd, cwd=str(directory), env=child_env())
+    report = json.loads((directory / "report.json").read_text())
+    return timing.wall, {m["name"]: m["verdict"] for m in report["models"]}
+
+
+def measure(directory: Path, a: str, b: str, reps: int, verdicts: dict[str, dict[str, str]]) -> list[tuple[float, float]]:
+    pairs = []
+    for rep, a_first in interleaved(reps):
+        walls = {}
+        for side in (a, b) if a_first else (b, a):
+            walls[side], verdicts[f"{side} #{rep}"] = run_suite(directory, SIDES[side])
+            log(f"P5 {side} #{rep}: {walls[side]:.1f}s")
+        pairs.append((walls[b], walls[a]))
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    reps = args.reps or (1 if args.quick else 3)
+    directory = Path(tempfile.mkdtemp(prefix="exportobs-p5-"))
+    (directory / "conftest.py").write_text(CONFTEST)
+    (directory / "test_models.py").write_text(TESTS)
+    try:
+        verdicts: dict[str, dict[str, str]] = {}
+        log("P5 warm-up (imports, .pyc)")
+        run_suite(directory, [])
+        lines = []
+        for name, (a, b) in {"xdist": ("serial", "-n 2"), "jobs": ("jobs 1", "jobs 2")}.items():
+            pairs = measure(directory, a, b, reps, verdicts)
+            ratio = statistics.median(new / old for new, old in pairs)
+            walls = ", ".join(f"{old:.1f}s → {new:.1f}s" for new, old in pairs)
+            lines.append(f"P5 {name:5s} {b} / {a} = {ratio:.2f}  ({walls})  {verdict(ratio, TARGET)}")
+        distinct = {json.dumps(v, sort_keys=True) for v in verdicts.values()}
+        if len(distinct) != 1:
+            raise SystemExit(f"P5: the verdicts differ between runs: {verdicts}")
+        lines.append(f"P5 verdicts, the same in all {len(verdicts)} runs: {next(iter(verdicts.values()))}")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    emit({"id": "P5", "lines": lines}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Scale: models placed on xdist workers one model per worker at a time, checks run in forked
+children at once (``--export-jobs``), and a sharded run gated against one baseline."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from models import SOURCE as MODELS, junit_cases
+
+from pytest_exportobs.plugin.xdist import WATCH_GROUP, placement
+
+ARGS = ("--export-check", "--export-target=torch", "--export-examples=0", "-p", "no:cacheprovider")
+
+CONFTEST = '''
+import os
+import pytest, torch
+from models import MLP, Scorer
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return MLP().eval()
+
+@pytest.fixture
+def encoder():
+    torch.manual_seed(0)
+    return Scorer().eval()
+
+@pytest.fixture(autouse=True)
+def record_worker(request):
+    """Write which worker ran each test; skip the test named by $SKIP."""
+    if request.node.name == os.environ.get("SKIP"):
+        pytest.skip("asked to")
+    yield
+    with open("workers.txt", "a") as f:
+        f.write(f"{request.node.name} {os.environ.get('PYTEST_XDIST_WORKER', 'main')}\\n")
+'''
+
+TESTS = '''
+import pytest, torch
+
+@pytest.mark.observe_export("mlp", name="classifier")
+def test_classifier_batch_2(mlp):
+    mlp(torch.randn(2, 8))
+
+@pytest.mark.observe_export("mlp", name="classifier")
+def test_classifier_batch_5(mlp):
+    mlp(torch.randn(5, 8))
+
+@pytest.mark.observe_export("mlp", name="scorer")
+def test_scorer(mlp):
+    mlp(torch.randn(3, 8))
+
+@pytest.mark.observe_export("mlp", name="scorer")
+@pytest.mark.observe_export("encoder")
+def test_scorer_and_encoder(mlp, encoder):
+    mlp(torch.randn(4, 8))
+    encoder(torch.randn(2, 7, 16))
+
+@pytest.mark.observe_export("encoder")
+def test_encoder_long(encoder):
+    encoder(torch.randn(3, 11, 16))
+
+def test_watched(mlp, export_observer):
+    export_observer.watch(mlp, name="watched")(torch.randn(6, 8))
+
+def test_watched_again(mlp, export_observer):
+    export_observer.watch(mlp, name="watched")(torch.randn(7, 8))
+
+@pytest.mark.parametrize("n", range(4))
+def test_plain(n):
+    assert n >= 0
+'''
+
+USER_TESTS = {
+    **{f"test_models::{name}": "passed" for name in (
+        "test_classifier_batch_2", "test_classifier_batch_5", "test_scorer", "test_scorer_and_encoder",
+        "test_encoder_long", "test_watched", "test_watched_again")},
+    **{f"test_models::test_plain[{n}]": "passed" for n in range(4)},
+}
+MODEL_TESTS = {
+    "classifier": {"test_classifier_batch_2", "test_classifier_batch_5"},
+    "scorer": {"test_scorer", "test_scorer_and_encoder"},
+    "encoder": {"test_scorer_and_encoder", "test_encoder_long"},
+    "watched": {"test_watched", "test_watched_again"},
+}
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_models=TESTS)
+    return pytester
+
+
+def run(suite: pytest.Pytester, *args: str) -> tuple[dict[str, str], dict[str, dict]]:
+    """Run the suite (fresh artifacts); junit outcomes and the report's model entries."""
+    for leftover in ("workers.txt", "report.json"):
+        (suite.path / leftover).unlink(missing_ok=True)
+    result = suite.runpytest_subprocess(*ARGS, "--junitxml=junit.xml", "--export-report=report.json", *args)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    models = {m["name"]: m for m in json.loads((suite.path / "report.json").read_text())["models"]}
+    return junit_cases(suite.path / "junit.xml"), models
+
+
+def verdicts_and_dims(models: dict[str, dict]) -> dict[str, tuple[str, dict]]:
+    return {name: (m["verdict"], m["graphs"][0]["dims"] if m.get("graphs") else m["dims"]) for name, m in models.items()}
+
+
+def workers(suite: pytest.Pytester) -> dict[str, str]:
+    return dict(line.split() for line in (suite.path / "workers.txt").read_text().splitlines())
+
+
+def test_placement_groups_the_tests_of_a_model_and_all_watch_tests(suite: pytest.Pytester) -> None:
+    items = suite.getitems(suite.path / "test_models.py")
+    groups = {item.name: group for item, group in ((i, placement(items).get(i.nodeid)) for i in items)}
+    assert groups == {
+        "test_classifier_batch_2": "exportobs:classifier", "test_classifier_batch_5": "exportobs:classifier",
+        # the encoder shares a test with the scorer: one group, named after the first of them
+        "test_scorer": "exportobs:encoder", "test_scorer_and_encoder": "exportobs:encoder",
+        "test_encoder_long": "exportobs:encoder",
+        "test_watched": f"exportobs:{WATCH_GROUP}", "test_watched_again": f"exportobs:{WATCH_GROUP}",
+        **{f"test_plain[{n}]": None for n in range(4)},
+    }
+
+
+def test_xdist_places_each_model_on_one_worker_and_spreads_the_models(suite: pytest.Pytester) -> None:
+    serial_cases, serial = run(suite)
+    cases, models = run(suite, "-n", "2")
+    expected = {**USER_TESTS, **{f"exportobs::{name}": "passed" for name in MODEL_TESTS}}
+    assert serial_cases == cases == expected
+    assert verdicts_and_dims(models) == verdicts_and_dims(serial)
+    assert verdicts_and_dims(models)["classifier"] == ("passed", {"x": {"0": "batch"}})
+    ran_on = workers(suite)
+    for name, tests in MODEL_TESTS.items():
+        assert len({ran_on[t] for t in tests}) == 1, (name, ran_on)
+    assert {ran_on[t] for tests in MODEL_TESTS.values() for t in tests} == {"gw0", "gw1"}
+
+
+def test_export_jobs_checks_models_at_once_with_the_same_results(suite: pytest.Pytester) -> None:
+    _, one = run(suite, "--export-jobs=1")
+    result = suite.runpytest_subprocess(*ARGS, "--export-report=report.json", "--export-jobs=2")
+    assert result.ret == pytest.ExitCode.OK
+    two = {m["name"]: m for m in json.loads((suite.path / "report.json").read_text())["models"]}
+    assert verdicts_and_dims(two) == verdicts_and_dims(one)
+    ended = [line for line in result.stdout.lines if re.fullmatch(r"exportobs \[\d/4\] \S+: passed in [\d.]+s", line)]
+    assert sorted(line.split()[2] for line in ended) == ["classifier:", "encoder:", "scorer:", "watched:"]
+    exports = [line for line in result.stdout.lines if re.fullmatch(r"exportobs \[\d/4\] \S+: export \([\d.]+s\)", line)]
+    assert len(exports) == 4
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_export_jobs_must_be_positive_or_auto(suite: pytest.Pytester, value: str) -> None:
+    result = suite.runpytest_subprocess(*ARGS, f"--export-jobs={value}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: export_jobs must be a positive integer or auto, got '{value}'"])
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_a_shard_gates_its_models_against_the_whole_baseline(suite: pytest.Pytester, xdist: list[str]) -> None:
+    suite.runpytest_subprocess(*ARGS, "--export-baseline=baseline.json", "--export-baseline-update").assert_outcomes(
+        passed=15)
+    entries = json.loads((suite.path / "baseline.json").read_text())["models"]
+    assert entries["scorer"]["tests"] == ["test_models.py::test_scorer", "test_models.py::test_scorer_and_encoder"]
+    shard = suite.runpytest_subprocess(*ARGS, *xdist, "--export-baseline=baseline.json", "--export-strict",
+                                       "-k", "classifier or plain", "--junitxml=junit.xml")
+    assert shard.ret == pytest.ExitCode.OK
+    shard.stdout.fnmatch_lines(["exportobs gate: ok (1 passed, 0 regressions); 3 baseline models not collected here"])
+    assert {k: v for k, v in junit_cases(suite.path / "junit.xml").items() if k.startswith("exportobs::")} == {
+        "exportobs::classifier": "passed"}
+    # the encoder's test is collected but skipped: the encoder is missing, not left out
+
+
+def test_a_model_whose_collected_tests_did_not_observe_it_is_missing(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    suite.runpytest_subprocess(*ARGS, "--export-baseline=baseline.json", "--export-baseline-update").assert_outcomes(
+        passed=15)
+    monkeypatch.setenv("SKIP", "test_encoder_long")
+    result = suite.runpytest_subprocess(*ARGS, "--export-baseline=baseline.json", "-k", "encoder_long", "-rA")
+    result.stdout.fnmatch_lines([
+        "exportobs gate: ok (0 passed, 1 missing, 0 regressions); 3 baseline models not collected here",
+        "SKIPPED [[]1[]] exportobs: encoder: in the baseline but not observed",
+    ])
