@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).read_text()
+# a plugin session's quickest full check: to torch.export and back, no hypothesis variations
+QUICK_CHECK = ("--export-check", "--export-target=torch", "--export-examples=0", "-p", "no:cacheprovider")
 
 
 class MLP(torch.nn.Module):

@@ -13,11 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from models import SOURCE as MODELS, junit_cases
+from models import QUICK_CHECK as ARGS, SOURCE as MODELS, junit_cases
 
 from pytest_exportobs.engine.runner import ModelTimeout, time_limit
 
-ARGS = ("--export-check", "--export-target=torch", "--export-examples=0", "-p", "no:cacheprovider")
 
 CONFTEST = '''
 import contextlib, time
@@ -321,7 +320,7 @@ def test_a_crashing_observing_test_fails_once_and_only_its_workers_models_are_in
 
 
 def test_without_the_plugin_the_crashing_test_fails_once_too(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    result = crash_session(pytester, monkeypatch, "observing")
+    crash_session(pytester, monkeypatch, "observing")
     assert junit_cases(pytester.path / "junit.xml") == {
         **USER_TESTS, "test_crashes::test_plain_crashing": "passed", "test_crashes::test_observes_and_crashes": "error"}
 

@@ -427,7 +427,7 @@ def test_onnx_export_matches_eager_on_other_sizes(cache_utils, kind):
 
 def test_tiny_llama_with_a_dynamic_cache_exports_to_onnx(cache_utils):
     ort = pytest.importorskip("onnxruntime")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256)).eval()

@@ -7,11 +7,9 @@ import json
 import re
 
 import pytest
-from models import SOURCE as MODELS, junit_cases
+from models import QUICK_CHECK as ARGS, SOURCE as MODELS, junit_cases
 
 from pytest_exportobs.plugin.xdist import WATCH_GROUP, placement
-
-ARGS = ("--export-check", "--export-target=torch", "--export-examples=0", "-p", "no:cacheprovider")
 
 CONFTEST = '''
 import os

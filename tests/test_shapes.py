@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from torch.utils import _pytree  # noqa: E402
 
-from models import example_arguments, tiny_llama_config  # noqa: E402
+from models import example_arguments  # noqa: E402
 
 from pytest_exportobs import InputObserver, ShapeModel, string_type  # noqa: E402
 from pytest_exportobs.core.text import format_dims  # noqa: E402

@@ -193,7 +193,7 @@ def _async_exception_after(seconds: float) -> Iterator[None]:
         set_async_exc(ctypes.c_ulong(target), None)  # one not seen yet must not hit the caller
 
 
-@dataclass
+@dataclass(eq=False)  # one per child: compared and found by identity
 class _Child:
     """A check running in a forked child: its steps and result come through ``receiver``."""
 
@@ -281,12 +281,11 @@ def _ended(running: list[_Child]) -> list[tuple[_Child, bool]]:
         deadlines = [c.deadline for c in running if c.deadline is not None]
         timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
         readable = wait([c.receiver for c in running], timeout)
-        ended = [(c, False) for c in running if c.receiver in readable and not c.read()]
+        done = [c for c in running if c.receiver in readable and not c.read()]
         now = time.monotonic()
-        ended += [(c, True) for c in running
-                  if c.deadline is not None and now >= c.deadline and all(c is not e for e, _ in ended)]
-        if ended:
-            return ended
+        late = [c for c in running if c not in done and c.deadline is not None and now >= c.deadline]
+        if done or late:
+            return [(c, False) for c in done] + [(c, True) for c in late]
 
 
 def _kill_timed_out(child: _Child, settings: CheckSettings) -> ModelResult:
