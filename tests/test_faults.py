@@ -141,12 +141,19 @@ def test_a_bad_timeout_is_a_usage_error(suite: pytest.Pytester) -> None:
 # -- Ctrl-C -------------------------------------------------------------------------------------
 
 
+def _deliverable_sigint() -> None:
+    """In the child, before exec: SIGINT as in a terminal.  xdist workers ignore it, and a
+    signal mask blocking it would leave it pending; a child inherits both."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def interrupt_when(pytester: pytest.Pytester, line: str, *args: str) -> tuple[int, str]:
     """Run pytest, send SIGINT once ``line`` is printed; the exit code and the whole output."""
     command = [sys.executable, "-m", "pytest", *args]
     process = pytester.popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # xdist workers ignore SIGINT, children inherit it
+        preexec_fn=_deliverable_sigint,
     )
     output = []
     for text in process.stdout:
@@ -166,7 +173,7 @@ def test_ctrl_c_while_checking_reports_what_was_checked_and_writes_no_baseline(
         suite, "b-stalled: export", *ARGS, *isolate, "--junitxml=junit.xml", "--export-report=report.json",
         "--export-baseline=baseline.json", "--export-baseline-update",
     )
-    assert code == pytest.ExitCode.INTERRUPTED
+    assert code == pytest.ExitCode.INTERRUPTED, output
     assert junit_cases(suite.path / "junit.xml") == {
         "test_models::test_fast": "passed", "test_models::test_stalled": "passed", "test_models::test_after": "passed",
         "exportobs::a-fast": "passed", "exportobs::b-stalled": "failure", "exportobs::c-after": "failure",
