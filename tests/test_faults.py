@@ -4,6 +4,7 @@ xdist workers — and observation that never changes what a test does."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -13,9 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-from models import QUICK_CHECK as ARGS, SOURCE as MODELS, junit_cases
+import torch
+from models import MLP, QUICK_CHECK as ARGS, SOURCE as MODELS, junit_cases
 
-from pytest_exportobs.engine.runner import ModelTimeout, time_limit
+from pytest_exportobs.engine.export import prepare
+from pytest_exportobs.engine.runner import ModelTimeout, check_all, time_limit
+from pytest_exportobs.engine.settings import CheckSettings
+from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
 
 CONFTEST = '''
@@ -139,6 +144,58 @@ def test_a_bad_timeout_is_a_usage_error(suite: pytest.Pytester) -> None:
 
 
 # -- Ctrl-C -------------------------------------------------------------------------------------
+
+def forked_group(name: str) -> ModelGroup:
+    torch.manual_seed(0)
+    mlp = MLP().eval()
+    with SessionStore().observe(mlp, name, ObserveOptions(), "test_faults.py::test") as group:
+        mlp(torch.randn(2, 8))
+        mlp(torch.randn(3, 8))
+    return group
+
+
+def test_ctrl_c_taken_by_another_thread_stops_the_forked_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel hands SIGINT to any thread not blocking it; Python runs the handler only when
+    the main thread runs Python again, which a parent blocked waiting for its children must do."""
+    stall = 20.0
+    monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: time.sleep(stall))  # forked children inherit it
+
+    def interrupt() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # this thread takes the signal
+        os.kill(os.getpid(), signal.SIGINT)
+
+    settings = CheckSettings(export_dir=tmp_path, target="torch", examples=0)
+    groups = [forked_group("stalled"), forked_group("after")]
+    prepare(settings.target)  # the signal comes while the child stalls, not while the parent imports
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        threading.Timer(1.0, interrupt).start()
+        begin = time.monotonic()
+        results = list(check_all(groups, settings, isolate=True))
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    assert [(r.name, r.verdict, r.reason) for r in results] == [
+        ("stalled", "interrupted", "interrupted (Ctrl-C) during torch.export"),
+        ("after", "interrupted", "interrupted (Ctrl-C) before its check began"),
+    ]
+    assert time.monotonic() - begin < stall / 2
+
+
+def test_ctrl_c_while_a_child_starts_leaves_its_model_interrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fork = multiprocessing.get_context("fork").Process
+    start = fork.start
+
+    def start_or_interrupt(process: multiprocessing.process.BaseProcess) -> None:
+        if process._args[0].name == "second":  # the group the child would check
+            raise KeyboardInterrupt
+        start(process)
+
+    monkeypatch.setattr(fork, "start", start_or_interrupt)
+    settings = CheckSettings(export_dir=tmp_path, target="torch", examples=0)
+    results = list(check_all([forked_group("first"), forked_group("second")], settings, isolate=True))
+    assert [(r.name, r.verdict, r.reason) for r in results] == [
+        ("first", "passed", ""), ("second", "interrupted", "interrupted (Ctrl-C) before its check began")]
+
 
 
 def _deliverable_sigint() -> None:

@@ -193,6 +193,11 @@ def _async_exception_after(seconds: float) -> Iterator[None]:
         set_async_exc(ctypes.c_ulong(target), None)  # one not seen yet must not hit the caller
 
 
+# seconds between two wake-ups of the parent waiting for its children: a Ctrl-C whose signal
+# another thread took is only seen when the main thread runs Python again
+_WAKE = 0.5
+
+
 @dataclass(eq=False)  # one per child: compared and found by identity
 class _Child:
     """A check running in a forked child: its steps and result come through ``receiver``."""
@@ -236,13 +241,14 @@ def _forked(
 ) -> Iterator[ModelResult]:
     """Check each group in a forked child, ``jobs`` at once: a native crash fails its model, not
     the session.  A child is killed when its time is up or the session is interrupted."""
-    prepare(settings.target)
     waiting = list(zip(groups, trackers))
     running: list[_Child] = []
     try:
+        prepare(settings.target)
         while waiting or running:
             while waiting and len(running) < jobs:
-                started = _start(*waiting.pop(0), settings, threads)
+                started = _start(*waiting[0], settings, threads)
+                waiting.pop(0)  # only now: a Ctrl-C while starting leaves it waiting, reported interrupted
                 if isinstance(started, _Child):
                     running.append(started)
                 else:
@@ -279,7 +285,7 @@ def _ended(running: list[_Child]) -> list[tuple[_Child, bool]]:
     """Read the children's messages until some have ended or run out of time (``True``)."""
     while True:
         deadlines = [c.deadline for c in running if c.deadline is not None]
-        timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+        timeout = min([_WAKE, *(max(0.0, d - time.monotonic()) for d in deadlines)])
         readable = wait([c.receiver for c in running], timeout)
         done = [c for c in running if c.receiver in readable and not c.read()]
         now = time.monotonic()
