@@ -206,12 +206,13 @@ def _deliverable_sigint() -> None:
 
 
 def interrupt_when(pytester: pytest.Pytester, line: str, *args: str) -> tuple[int, str]:
-    """Run pytest, send SIGINT once ``line`` is printed; the exit code and the whole output."""
+    """Run pytest, send SIGINT once ``line`` is printed; the exit code and the whole output.
+    The output is a buffered pipe, as in CI: the line arrives in time only if pytest flushes it."""
     command = [sys.executable, "-m", "pytest", *args]
-    process = pytester.popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=_deliverable_sigint,
-    )
+    with pytest.MonkeyPatch.context() as patch:  # pytester.popen passes a copy of os.environ
+        patch.delenv("PYTHONUNBUFFERED", raising=False)
+        process = pytester.popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 preexec_fn=_deliverable_sigint)
     output = []
     for text in process.stdout:
         output.append(text)

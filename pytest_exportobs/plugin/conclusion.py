@@ -147,9 +147,15 @@ def incomplete(name: str, reason: str) -> ModelResult:
 
 
 def progress_writer(config: pytest.Config) -> Callable[[str], None] | None:
-    """A function writing one progress line to the terminal (``None`` without a terminal)."""
+    """A function writing one progress line to the terminal (``None`` without a terminal).
+    Each line is flushed: a CI log reads the terminal through a pipe, which buffers."""
     terminal = config.pluginmanager.get_plugin("terminalreporter")
     if terminal is None:
         return None
     terminal.ensure_newline()
-    return terminal.write_line
+
+    def write(line: str) -> None:
+        terminal.write_line(line)
+        terminal.flush()
+
+    return write
