@@ -136,6 +136,8 @@ LLM = {"input_ids": (0, 1), "past_key_values.key_0": (0, 2)}
 EXPECTED: dict[str, Expected] = {
     "llama_greedy": Expected("passed", dynamic=LLM),
     "llama": Expected("passed", dynamic={**LLM, "attention_mask": (0, 1)}, relations=("total_seq = past_seq + seq",)),
+    "llama_two_batches": Expected("passed", dynamic={**LLM, "attention_mask": (0, 1)},
+                                  relations=("total_seq = past_seq + seq",)),
     "llama_generate": Expected("passed", dynamic={**LLM, "attention_mask": (0, 1)}),
     "static_llama": Expected("passed", dynamic={"input_ids": (0, 1), "past_key_values.key_0": (0,)}),
     "qwen2": Expected("passed", dynamic={"input_ids": (0, 1), "labels": (0, 1)}),
@@ -162,7 +164,8 @@ EXPECTED: dict[str, Expected] = {
 }
 
 BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
-    "llama_greedy": zoo.llama, "llama": zoo.llama, "llama_generate": zoo.llama, "static_llama": zoo.static_llama,
+    "llama_greedy": zoo.llama, "llama": zoo.llama, "llama_two_batches": zoo.llama, "llama_generate": zoo.llama,
+    "static_llama": zoo.static_llama,
     "qwen2": zoo.qwen2,
     "gpt2": zoo.gpt2, "gemma": zoo.gemma, "mistral": zoo.mistral, "roberta": zoo.roberta,
     "bert": zoo.bert_classifier, "text_encoder": lambda: zoo.seeded(zoo.TextEncoder),
@@ -174,6 +177,7 @@ BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
 HELD_OUT: dict[str, Callable[[torch.nn.Module], list[Call]]] = {
     "llama_greedy": decoder_calls,
     "llama": decoder_calls,
+    "llama_two_batches": decoder_calls,
     "llama_generate": decoder_calls,
     "static_llama": static_cache_calls,
     "qwen2": qwen2_calls,

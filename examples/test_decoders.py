@@ -47,6 +47,14 @@ def test_prefill_then_decode(llama, batch):
     assert out.past_key_values.get_seq_length() == 8
 
 
+@pytest.mark.observe_export("llama", name="llama_two_batches")
+def test_one_decode_step_at_two_batch_sizes(llama):
+    """Four calls in one test: more than the three new signatures a test stores by default."""
+    for batch in (2, 3):
+        out = decode(llama, prompts(batch, 6, seed=batch), steps=1)
+        assert out.logits.shape == (batch, 1, VOCAB)
+
+
 @pytest.mark.observe_export("llama", name="llama_generate")
 def test_generate_batch_of_four_with_padding(llama):
     input_ids = prompts(4, 7, seed=1)

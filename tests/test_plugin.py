@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from models import SOURCE as MODELS, junit_cases
+from models import QUICK_CHECK, SOURCE as MODELS, junit_cases
 
 CONFTEST = '''
 import pytest, torch
@@ -232,3 +232,71 @@ def test_a_worker_dying_while_checking_makes_its_models_incomplete(pytester: pyt
         "PASSED exportobs::mlp",
         "FAILED exportobs::crashing - incomplete at observe: observed on worker gw?, which crashed: *",
     ])
+
+
+DECODER_SUITE = '''
+import pytest, torch
+
+class CachedDecoder(torch.nn.Module):
+    """A decoder step whose ``past`` (batch, past_seq, 4) is absent at prefill."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, past=None):
+        if past is None:
+            past = x.new_zeros((x.shape[0], 0, x.shape[2]))
+        return self.proj(torch.cat([past, x], dim=1)).sum(dim=1)
+
+@pytest.fixture
+def decoder():
+    torch.manual_seed(0)
+    return CachedDecoder()
+
+@pytest.mark.observe_export("decoder")
+def test_prefill(decoder):
+    assert decoder(torch.randn(2, 5, 4)).shape == (2, 4)
+
+@pytest.mark.observe_export("decoder")
+def test_decode(decoder):
+    assert decoder(torch.randn(1, 1, 4), past=torch.randn(1, 5, 4)).shape == (1, 4)
+    assert decoder(torch.randn(3, 1, 4), past=torch.randn(3, 6, 4)).shape == (3, 4)
+'''
+
+
+def junit_properties(path, name: str) -> list[tuple[str, str]]:
+    import xml.etree.ElementTree as ET
+
+    case = next(c for c in ET.parse(path).getroot().iter("testcase") if c.get("name") == name)
+    return [(p.get("name"), p.get("value")) for p in case.iter("property")]
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_each_graph_of_a_model_is_shown_recorded_and_gated(pytester: pytest.Pytester, workers: list[str]) -> None:
+    pytester.makepyfile(test_decoder=DECODER_SUITE)
+    recorded = pytester.runpytest_subprocess(
+        *QUICK_CHECK, *workers, "--junitxml=junit.xml", "--export-baseline=baseline.json", "--export-baseline-update")
+    recorded.assert_outcomes(passed=3)
+    with_past, without_past = "x{0:batch,1:seq} past{0:batch,1:past_dim1}", "x{0:batch,1:seq}"
+    recorded.stdout.fnmatch_lines([
+        f"decoder           passed  *  3    *  {with_past}",
+        f"  [[]with past[]]     passed  *  2    *  {with_past}",
+        f"  [[]without past[]]  passed  *  1    *  {without_past}",
+    ])
+    assert junit_properties(pytester.path / "junit.xml", "decoder") == [
+        ("exportobs_stage", "verify"),
+        ("exportobs_graph", f"[with past] passed, calls 1 2, {with_past}"),
+        ("exportobs_graph", f"[without past] passed, calls 0, {without_past}"),
+    ]
+    baseline = json.loads((pytester.path / "baseline.json").read_text())
+    assert baseline["models"]["decoder"]["graph_dims"] == {
+        "with past": {"x": {"0": "batch", "1": "seq"}, "past": {"0": "batch", "1": "past_dim1"}},
+        "without past": {"x": {"0": "batch", "1": "seq"}},
+    }
+    # as if a dim of one graph had been dynamic when the baseline was recorded
+    baseline["models"]["decoder"]["graph_dims"]["without past"]["x"]["2"] = "features"
+    (pytester.path / "baseline.json").write_text(json.dumps(baseline))
+    gated = pytester.runpytest_subprocess(*QUICK_CHECK, *workers, "--export-baseline=baseline.json")
+    gated.stdout.fnmatch_lines(["exportobs gate: 1 regression (decoder: [[]without past[]] dim x.2 (features) became static)"])
+    assert gated.ret == pytest.ExitCode.TESTS_FAILED

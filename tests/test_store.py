@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_exportobs.observe.store import MAX_OBSERVATIONS, ObserveOptions, SessionStore, identity
+from pytest_exportobs.observe.recorder import CallCounts
+from pytest_exportobs.observe.store import MAX_OBSERVATIONS, MAX_ORDINARY, ObserveOptions, SessionStore, identity
 
 
 def observe(store: SessionStore, module: torch.nn.Module, default_name: str, *sizes: int, **options) -> str:
@@ -44,15 +45,51 @@ def test_the_first_instance_is_kept_and_later_ones_are_references_to_recompute()
     assert valid == [True, False]
 
 
+def shapes_of(store: SessionStore) -> list[tuple[int, ...]]:
+    return [tuple(o.args[0].shape) for o in store.groups["model"].recorder.observations]
+
+
 def test_observations_per_model_are_bounded_over_the_session() -> None:
     store = SessionStore()
     module = torch.nn.Linear(4, 2)
-    starts = range(0, 2 * MAX_OBSERVATIONS, 3)
-    for start in starts:
-        observe(store, module, "model", start + 1, start + 2, start + 3)
+    starts = range(10, 10 + 2 * MAX_OBSERVATIONS, 3)
+    for start in starts:  # sizes 10, 11, ...: no call adds information after the first two
+        observe(store, module, "model", start, start + 1, start + 2)
     observer = store.groups["model"].recorder
-    assert observer.num_obs() == MAX_OBSERVATIONS
-    assert observer.counts.dropped == 3 * len(starts) - MAX_OBSERVATIONS
+    assert observer.num_obs() == MAX_ORDINARY
+    assert observer.counts.dropped == 3 * len(starts) - MAX_ORDINARY
+
+
+class Concat(torch.nn.Module):
+    """Takes any number of tensors: each number is another input structure."""
+
+    in_features = 4
+
+    def forward(self, *parts: torch.Tensor) -> torch.Tensor:
+        return torch.cat(parts, dim=-1)
+
+
+def test_calls_that_add_information_are_kept_beyond_the_ordinary_bound() -> None:
+    store = SessionStore()
+    module = Concat()
+    for start in range(10, 10 + 3 * MAX_ORDINARY, 3):
+        observe(store, module, "model", start, start + 1, start + 2)
+    recorder = store.groups["model"].recorder
+    dropped = recorder.counts.dropped
+    with store.observe(module, "model", ObserveOptions(), "test"):
+        module(torch.randn(100, 4))  # nothing new
+        module(torch.randn(4, 4))  # batch equal to the features: a new pattern of sizes
+        module(torch.randn(1, 4))  # batch 1
+        module(torch.randn(2, 5, 4))  # a new structure (rank 3) ...
+        module(torch.randn(2, 6, 4))  # ... whose second axis varies
+        module(torch.randn(2, 7, 4))  # again: nothing new
+    assert shapes_of(store)[MAX_ORDINARY:] == [(4, 4), (1, 4), (2, 5, 4), (2, 6, 4)]
+    assert recorder.counts.dropped == dropped + 2
+    with store.observe(module, "model", ObserveOptions(), "test"):
+        for parts in range(2, 2 + MAX_OBSERVATIONS):  # new structures fill the room left, and no more
+            module(*[torch.randn(3, 4)] * parts)
+    assert recorder.num_obs() == MAX_OBSERVATIONS
+    assert recorder.counts.dropped == dropped + 2 + MAX_OBSERVATIONS - (MAX_OBSERVATIONS - MAX_ORDINARY - 4)
 
 
 def test_a_value_that_is_no_module_is_a_type_error() -> None:
@@ -63,3 +100,18 @@ def test_a_value_that_is_no_module_is_a_type_error() -> None:
 def test_unknown_marker_options_are_named() -> None:
     with pytest.raises(TypeError, match=r"where: unknown argument\(s\) \['colour'\]"):
         ObserveOptions.from_kwargs({"colour": "red"}, "where")
+
+
+def test_a_decoding_loop_at_two_batch_sizes_in_one_test_keeps_each_new_size_pattern(tiny_llama) -> None:
+    store = SessionStore()
+    with torch.no_grad(), store.observe(tiny_llama, "llama", ObserveOptions(), "test") as group:
+        for batch in (2, 3):
+            input_ids = torch.randint(0, 100, (batch, 5))
+            out = tiny_llama(input_ids=input_ids)
+            for _ in range(2):
+                out = tiny_llama(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values)
+    stored = [(tuple(o.kwargs["input_ids"].shape), o.kwargs.get("past_key_values") is not None)
+              for o in group.recorder.observations]
+    # the first three calls; then the prefill and the decode step whose batch is new to them
+    assert stored == [((2, 5), False), ((2, 1), True), ((2, 1), True), ((3, 5), False), ((3, 1), True)]
+    assert group.recorder.counts == CallCounts(stored=5, dropped=1)

@@ -165,6 +165,7 @@ class _ModelCheck:
             for split in split_off(joint.aligned, plan, check.split):
                 missing = ", ".join(sorted(plan.slots - split.slots))
                 split.name = ", ".join(filter(None, [plan.name, f"without {missing}"]))
+                check.result.name = check.result.name or f"with {missing}"
                 queue.append(split)
         return done, unverified
 

@@ -1,7 +1,7 @@
 """The baseline of a suite's export checks: a small JSON file kept under version control.
 
-Per model the verdict, failing stage, named dynamic dims, relations, max |Δ| with its
-tolerance, ONNX opset and op counts.  Pure Python: importing this module costs nothing.
+Per model the verdict, failing stage, named dynamic dims (per graph too, for a model exported as
+several graphs), relations, max |Δ| with its tolerance, ONNX opset and op counts.  Pure Python: importing this module costs nothing.
 
 An update merges a session's results into the file under a lock (:func:`update_baseline`):
 entries of models the session did not check are kept unless pruned, and two sessions updating
@@ -63,6 +63,7 @@ CHECKS: Checks = {
     "opset": (_optional(is_a(int)), "an integer or null"),
     "op_counts": (dict_of(is_a(int)), "an object of integers"),
     "tests": (list_of(is_a(str)), "a list of test node ids"),
+    "graph_dims": (dict_of(dict_of(dict_of(is_a(str)))), "an object of {graph name: dims} objects"),
 }
 
 
@@ -128,13 +129,23 @@ class BaselineEntry:
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
     tests: list[str] = field(default_factory=list)  # the tests that observed it
+    graph_dims: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)  # per graph, if several
 
     @classmethod
     def from_result(cls, result: ModelResult) -> BaselineEntry:
-        values = {f.name: copy.deepcopy(getattr(result, f.name)) for f in dataclasses.fields(cls) if f.name != "tests"}
+        own = {f.name for f in dataclasses.fields(cls)} - {"tests", "graph_dims"}
+        values = {name: copy.deepcopy(getattr(result, name)) for name in own}
         if result.passed:
             values["stage"] = ""
-        return cls(**values, tests=sorted(result.sources))
+        graphs = {g.name: copy.deepcopy(g.dims) for g in result.graphs} if len(result.graphs) > 1 else {}
+        return cls(**values, tests=sorted(result.sources), graph_dims=graphs)
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry's object; ``graph_dims`` only for a model exported as several graphs."""
+        data = dataclasses.asdict(self)
+        if not self.graph_dims:
+            del data["graph_dims"]
+        return data
 
     def collected_in(self, collected: Set[str] | None) -> bool:
         """Whether a session that collected the tests ``collected`` (``None``: unknown) should
@@ -184,7 +195,7 @@ class Baseline:
         return {
             "schema_version": SCHEMA_VERSION,
             "env": dict(self.env),
-            "models": {name: dataclasses.asdict(entry) for name, entry in self.models.items()},
+            "models": {name: entry.to_json() for name, entry in self.models.items()},
         }
 
     def write(self, path: str | os.PathLike[str]) -> Path:

@@ -208,16 +208,19 @@ def _regressions(entry: BaselineEntry, result: ModelResult, versions: Versions) 
     if entry.verdict == PASSED and _failing(result.verdict):
         problems.append(f"passed→{_at(result.verdict, result.stage)}{_since(versions, 'passed', 'fails')}")
     if _dims_known(result.verdict, result.stage):
-        lost = [
-            f"dim {input_name}.{axis} ({dim}) became static"
-            for input_name, axes in entry.dims.items()
-            for axis, dim in axes.items()
-            if axis not in result.dims.get(input_name, {})
-        ]
+        now = {g.name: g.dims for g in result.graphs}
+        lost = _lost_dims(entry.dims, result.dims, "") + [
+            problem for name, dims in entry.graph_dims.items() if name in now
+            for problem in _lost_dims(dims, now[name], f"[{name}] ")]
         if lost and not problems:
             lost[0] += _since(versions, "dynamic", "static")
         problems += lost
     return problems
+
+
+def _lost_dims(before: dict[str, dict[str, str]], now: dict[str, dict[str, str]], where: str) -> list[str]:
+    return [f"{where}dim {input_name}.{axis} ({dim}) became static"
+            for input_name, axes in before.items() for axis, dim in axes.items() if axis not in now.get(input_name, {})]
 
 
 def _since(versions: Versions, then: str, now: str) -> str:

@@ -49,23 +49,48 @@ class CallCounts:
     failed: int = 0
 
 
-def call_signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """A hashable key that is equal for two calls iff they flatten to the same shapes and constants.
+def call_signature(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, tuple[int, ...]]:
+    """``(structure, sizes)``, equal for two calls iff they flatten to the same shapes and
+    constants: the structure holds the tree, dtypes, ranks and constants, ``sizes`` every
+    tensor dim in leaf order.
 
     Calls of plain tensors (most calls) skip pytree: this runs on every observed call."""
     if all(type(t) is torch.Tensor for t in args) and all(type(t) is torch.Tensor for t in kwargs.values()):
-        return (
-            len(args), tuple(kwargs),
-            tuple((t.dtype, t.shape) for t in args), tuple((t.dtype, t.shape) for t in kwargs.values()),
-        )
-    leaves, spec = _pytree.tree_flatten((args, kwargs))
-    return (
-        str(spec),
-        tuple(
-            (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else (type(t), repr(t))
-            for t in leaves
-        ),
-    )
+        tensors = (*args, *kwargs.values())
+        structure = (len(args), tuple(kwargs), tuple((t.dtype, t.dim()) for t in tensors))
+    else:
+        leaves, spec = _pytree.tree_flatten((args, kwargs))
+        tensors = tuple(t for t in leaves if isinstance(t, torch.Tensor))
+        structure = (str(spec), tuple(
+            (t.dtype, t.dim()) if isinstance(t, torch.Tensor) else (type(t), repr(t)) for t in leaves))
+    return structure, tuple(d for t in tensors for d in t.shape)
+
+
+class _SizesSeen:
+    """What the stored calls of one input structure tell about its axes: which axes varied, and
+    which patterns of equal sizes (sizes 0 and 1 apart: torch.export specializes them) occurred."""
+
+    def __init__(self, sizes: tuple[int, ...]):
+        self.first = sizes
+        self.varied: set[int] = set()
+        self.patterns: set[tuple[int, ...]] = set()
+        self.add(sizes)
+
+    def add(self, sizes: tuple[int, ...]) -> None:
+        self.varied.update(i for i, (a, b) in enumerate(zip(self.first, sizes)) if a != b)
+        self.patterns.add(_equal_sizes(sizes))
+
+    def adds_information(self, sizes: tuple[int, ...]) -> bool:
+        """Whether a call of these ``sizes`` varies an axis constant so far, or breaks or makes an
+        equality between axes: what dynamic dims and their relations are inferred from."""
+        return any(a != b and i not in self.varied for i, (a, b) in enumerate(zip(self.first, sizes))) or (
+            _equal_sizes(sizes) not in self.patterns)
+
+
+def _equal_sizes(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Per axis, the first axis of the same size (sizes 0 and 1 as such, negated)."""
+    first: dict[int, int] = {}
+    return tuple(-1 - s if s < 2 else first.setdefault(s, i) for i, s in enumerate(sizes))
 
 
 def weights_version(module: torch.nn.Module) -> int:
@@ -87,16 +112,22 @@ class CallRecorder:
     and not while torch.compile / torch.export trace the module.  ``value_if_missing`` gives, by
     argument name or position, the value to assume for an argument absent from some calls (e.g.
     ``pixel_values`` after the prefill step); it is only used to align calls, never to run the model.
+
+    With a ``capacity``, the calls that add information (a new input structure, an axis varied
+    for the first time, a new pattern of equal sizes) are also stored beyond a block's
+    ``store_n_calls``, while fewer than ``capacity`` calls are stored.
     """
 
-    def __init__(self, value_if_missing: dict[str | int, Any] | None = None):
+    def __init__(self, value_if_missing: dict[str | int, Any] | None = None, capacity: int = 0):
         self.value_if_missing: dict[str | int, Any] = dict(value_if_missing or {})
+        self.capacity = capacity
         self.observations: list[Observation] = []
         self.counts = CallCounts()
         self.signature: inspect.Signature | None = None
         self.source = ""
         self.errors: list[str] = []  # why calls could not be recorded (distinct messages)
         self._by_key: dict[tuple, Observation] = {}
+        self._structures: dict[tuple, _SizesSeen] = {}
         self._limits: list[int] = []  # per open block: the number of observations it may reach
 
     def num_obs(self) -> int:
@@ -189,13 +220,28 @@ class CallRecorder:
             self._count_failed(e)
         else:
             self._by_key[key] = observation
+            structure, sizes = key
+            if structure in self._structures:
+                self._structures[structure].add(sizes)
+            else:
+                self._structures[structure] = _SizesSeen(sizes)
             self.observations.append(observation)
             self.counts.stored += 1
 
     def _stores(self, key: tuple) -> bool:
         """The storing decision: a call is stored when its signature is new and an open block
-        still has room (``store_n_calls``)."""
-        return key not in self._by_key and len(self.observations) < max(self._limits)
+        still has room (``store_n_calls``), or the call adds information within the capacity."""
+        if key in self._by_key:
+            return False
+        stored = len(self.observations)
+        return stored < max(self._limits) or (stored < self.capacity and self._adds_information(key))
+
+    def _adds_information(self, key: tuple) -> bool:
+        """Whether a call of signature ``key`` has a new input structure or, for a known one,
+        varies an axis constant so far or breaks or makes an equality between axes."""
+        structure, sizes = key
+        seen = self._structures.get(structure)
+        return seen is None or seen.adds_information(sizes)
 
     def _count_unstored(self, key: tuple) -> None:
         known = self._by_key.get(key)

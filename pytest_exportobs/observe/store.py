@@ -23,7 +23,11 @@ import torch
 from .recorder import CallRecorder, weights_version
 
 
-MAX_OBSERVATIONS = 32  # distinct call signatures kept per model over a session (memory bound)
+# Memory bound: distinct call signatures kept per model over a session.  The first
+# ``store_n_calls`` of each test are kept up to MAX_ORDINARY; the rest is room for the calls that
+# add information (a new input structure, an axis varied for the first time...).
+MAX_OBSERVATIONS = 32
+MAX_ORDINARY = 24
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class SessionStore:
         name = f"{base}[{ident}]" if members else base
         members[ident] = name
         self.groups[name] = ModelGroup(name, ident, module, options, explicit,
-                                       CallRecorder(options.value_if_missing))
+                                       CallRecorder(options.value_if_missing, capacity=MAX_OBSERVATIONS))
         return self.groups[name]
 
     def _rename(self, base: str, ident: str, new_name: str) -> None:
@@ -148,6 +152,6 @@ class SessionStore:
         if source not in group.sources:
             group.sources.append(source)
         group.recorder.source = source
-        room = max(0, MAX_OBSERVATIONS - group.recorder.num_obs())
+        room = max(0, MAX_ORDINARY - group.recorder.num_obs())
         with group.recorder(module, store_n_calls=min(options.store_n_calls, room), method_name=options.method):
             yield group

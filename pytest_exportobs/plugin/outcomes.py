@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from ..core.text import format_dims
 from ..engine.result import ENVIRONMENT, ModelResult
 from ..gate.judge import Gate, GateEntry
 
@@ -68,13 +69,27 @@ def _report(entry: GateEntry, result: ModelResult | None, when: str, verbose: bo
         longrepr = ("exportobs", None, f"Skipped: {entry.name}: {entry.message or (result.reason if result else '')}")
     report = _test_report(
         entry.name, when, outcome, longrepr, duration=result.elapsed if (result and when == "call") else 0.0,
-        user_properties=[("exportobs_stage", result.stage)] if (result and when == "call") else [],
+        user_properties=_properties(result) if result else [],  # junitxml writes the teardown's
     )
     if when == "call" and expected:
         report.wasxfail = entry.message or "known export failure"
     if when == "call" and result is not None:
         report.sections.append(("exportobs", detail_text(result)))
     return report
+
+
+def _properties(result: ModelResult) -> list[tuple[str, str]]:
+    """junitxml properties: the stage reached, and each graph of a model exported as several."""
+    return [("exportobs_stage", result.stage), *(("exportobs_graph", text) for text in graph_lines(result))]
+
+
+def graph_lines(result: ModelResult) -> list[str]:
+    """``[with labels] passed, calls 0 2, input_ids{0:batch,1:seq}`` per graph, when there are
+    several (a single graph is the model's own line)."""
+    if len(result.graphs) < 2:
+        return []
+    return [f"[{g.name}] {g.verdict}{f' at {g.stage}' if not g.passed else ''}, "
+            f"calls {' '.join(map(str, g.calls)) or '-'}, {format_dims(g.dims)}" for g in result.graphs]
 
 
 def failure_text(entry: GateEntry, result: ModelResult | None, verbose: bool) -> str:
@@ -106,6 +121,7 @@ def detail_text(result: ModelResult) -> str:
     if result.variations:
         v = result.variations
         lines.append(f"variations: {v['tried']} tried, {v['valid']} valid, {v['failed']} failed")
+    lines.extend(f"graph {text}" for text in graph_lines(result))
     lines.extend(f"note: {n}" for n in result.notes)
     if result.onnx_path:
         lines.append(f"onnx: {result.onnx_path}" + (" (cache hit)" if result.cache_hit else ""))
@@ -125,6 +141,9 @@ def summary_rows(results: dict[str, ModelResult], gate: Gate) -> list[str]:
             entry.name, entry.outcome, result.stage or "-", str(result.n_observations),
             _number(result.max_abs), f"{result.elapsed:.1f}s", result.dims_text(),
         ))
+        if len(result.graphs) > 1:  # one row per graph, under the model's
+            rows += [(f"  [{g.name}]", g.verdict, g.stage or "-", str(len(g.calls)), _number(g.max_abs),
+                      f"{sum(g.timings.values()):.1f}s", format_dims(g.dims)) for g in result.graphs]
     rows += [
         (r.name, "error", r.stage or "-", str(r.n_observations), "-", f"{r.elapsed:.1f}s", "session problem")
         for r in results.values() if r.kind == ENVIRONMENT
