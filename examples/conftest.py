@@ -38,6 +38,11 @@ def gpt2():
 
 
 @pytest.fixture
+def opt():
+    return zoo.opt()
+
+
+@pytest.fixture
 def qwen2_moe():
     return zoo.qwen2_moe()
 

@@ -122,6 +122,19 @@ def test_gemma_batched_generation_with_left_padding(gemma):
     assert out.shape == (2, 9)
 
 
+@pytest.mark.observe_export("opt")
+def test_opt_scores_a_batch(opt):
+    input_ids = prompts(2, 5, seed=4)
+    out = opt(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+    assert out.logits.shape == (2, 5, VOCAB)
+
+
+@pytest.mark.observe_export("opt")
+def test_opt_generates_from_one_prompt(opt):
+    out = opt.generate(prompts(1, 6, seed=5), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    assert out.shape == (1, 10)
+
+
 @pytest.mark.observe_export("mistral")
 @pytest.mark.parametrize("batch", [1, 2])
 def test_mistral_generates(mistral, batch):

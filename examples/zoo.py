@@ -65,6 +65,14 @@ def gpt2() -> torch.nn.Module:
     return seeded(lambda: transformers.GPT2LMHeadModel(config))
 
 
+def opt() -> torch.nn.Module:
+    config = transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+        max_position_embeddings=256, word_embed_proj_dim=64, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
+    )
+    return seeded(lambda: transformers.OPTForCausalLM(config))
+
+
 def qwen2_moe() -> torch.nn.Module:
     """A mixture-of-experts decoder, experts as transformers configures them by default."""
     config = decoder_config(

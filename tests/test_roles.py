@@ -133,3 +133,18 @@ def test_a_static_cache_length_is_its_allocation_not_a_dynamic_dim() -> None:
     calls = [{"input_ids": ids(2, 1), "past_key_values": make_static_cache(pairs, max_cache_len=16)}]
     assert summary(shapes_of(calls))[0] == (
         "input_ids{0:batch,1:seq} past_key_values.key_0{0:batch} past_key_values.value_0{0:batch}")
+
+
+def test_a_graph_without_the_cache_reads_the_total_length_as_the_new_tokens() -> None:
+    calls = [
+        {"input_ids": ids(2, 1), "attention_mask": ones(2, 7), "past_key_values": cache(2, 6)},
+        {"input_ids": ids(3, 1), "attention_mask": ones(3, 9), "past_key_values": cache(3, 8)},
+        {"input_ids": ids(2, 5), "attention_mask": ones(2, 5)},
+    ]
+    joint = shapes_of(calls)
+    assert [str(r) for r in joint.relations] == ["total_seq = past_seq + seq"]
+    prefill = joint.project([2], {"input_ids", "attention_mask"})
+    assert format_dims(prefill.to_json()["dims"]) == "input_ids{0:batch,1:seq} attention_mask{0:batch,1:seq}"
+    assert prefill.relations == []
+    decode = joint.project([0, 1], {"input_ids", "attention_mask", "past_key_values"})
+    assert [str(r) for r in decode.relations] == ["total_seq = past_seq + seq"]

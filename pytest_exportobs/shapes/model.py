@@ -195,9 +195,18 @@ class ShapeModel:
             )
             for var in self.variables if any(leaf in new_leaf for leaf, _ in var.axes)
         ]
-        names = {v.name for v in variables}
-        relations = [r for r in self.relations if {r.derived, *r.terms} <= names]
-        return ShapeModel(aligned, variables, relations, list(self.notes), meaningful_stand_ins=True)
+        by_name = {v.name: v for v in variables}
+        relations = [r for r in self.relations if {r.derived, *r.terms} <= by_name.keys()]
+        projected = ShapeModel(aligned, variables, relations, list(self.notes), meaningful_stand_ins=True)
+        for relation in self.relations:
+            reduced = _without_absent_terms(relation, by_name)
+            if reduced is None:
+                continue
+            if (reduced.scale, reduced.constant, len(reduced.terms)) == (1, 0, 1):
+                projected.merge(reduced.derived, reduced.terms[0])
+            else:
+                projected.relations.append(reduced)
+        return projected
 
     def to_json(self) -> dict[str, Any]:
         """JSON-native summary (reports, baseline, xdist payloads)."""
@@ -210,3 +219,21 @@ class ShapeModel:
             "bounds": {k: list(b) for k, b in self.bounds().items()},
             "notes": list(self.notes),
         }
+
+
+def _without_absent_terms(relation: Relation, variables: dict[str, Variable]) -> Relation | None:
+    """``relation`` in a graph without the inputs of some of its terms: a total length in a
+    graph without a cache is the new length (the absent past is 0).  ``None`` unless the derived
+    dim and a term are present, a term is absent, and the graph's calls follow the reduced
+    relation."""
+    derived = variables.get(relation.derived)
+    present = tuple(t for t in relation.terms if t in variables)
+    if derived is None or not present or len(present) == len(relation.terms):
+        return None
+    reduced = dataclasses.replace(relation, terms=present)
+    for index, size in enumerate(derived.values):
+        terms = {t: variables[t].values[index] for t in present}
+        if size is not None and None not in terms.values() and reduced.size(terms) != size:
+            return None
+    return reduced
+
