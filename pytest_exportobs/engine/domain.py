@@ -153,8 +153,10 @@ def _scaled_name(name: str, scale: int) -> str:
 
 
 def _asserted_divisor(symbol: sympy.Symbol, asserts: list[sympy.Basic]) -> int | None:
-    """The smallest ``c`` such that the asserts on ``symbol`` alone hold for its multiples of
-    ``c`` and fail for another size (what a stride-2 layer with a skip connection asserts)."""
+    """The smallest ``c`` such that, from the first size the asserts on ``symbol`` alone allow,
+    no other size than multiples of ``c`` passes them and most multiples do (what a stride-2
+    layer with a skip connection asserts).  A lower bound or a few sizes excluded
+    (``Ne(s//20, 2)``, from a convolution's output length) make no divisor."""
     own = [a for a in asserts if a.free_symbols == {symbol}]
     if not own:
         return None
@@ -162,8 +164,14 @@ def _asserted_divisor(symbol: sympy.Symbol, asserts: list[sympy.Basic]) -> int |
     def holds(size: int) -> bool:
         return all(bool(a.subs(symbol, size)) for a in own)
 
+    start = next((size for size in range(2, 1024) if holds(size)), None)
+    if start is None:
+        return None
     for divisor in (2, 3, 4, 8, 16, 32):
-        if all(holds(divisor * k) for k in range(1, 9)) and not all(holds(size) for size in range(2, 4 * divisor)):
+        window = range(start, start + 16 * divisor)
+        multiples = [size for size in window if size % divisor == 0]
+        if not any(holds(size) for size in window if size % divisor) and (
+                4 * sum(map(holds, multiples)) >= 3 * len(multiples)):
             return divisor
     return None
 
