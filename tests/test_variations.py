@@ -77,6 +77,15 @@ def mlp() -> tuple[torch.nn.Module, ShapeModel, OnnxRunner]:
     return model, shapes, onnx_runner(model, shapes, shapes.to_dynamic_shapes())
 
 
+def test_onnxruntime_runs_on_the_checks_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parallel checks (xdist workers, --export-jobs) each get torch.get_num_threads() threads."""
+    program = torch.onnx.export(torch.nn.Linear(2, 2).eval(), (torch.randn(3, 2),), dynamo=True, verbose=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    options = OnnxRunner(program).session.get_session_options()
+    assert options.intra_op_num_threads == 1
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
 def wrong_at_odd_batch(runner: Callable[[Leaves], Sequence[Any]]) -> Callable[[Leaves], list[Any]]:
     """``runner`` made wrong by +1 when the batch is odd and at least 3."""
 

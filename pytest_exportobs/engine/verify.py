@@ -164,6 +164,10 @@ class OnnxRunner:
             onnx_model_or_path = onnx_model_or_path.SerializeToString()
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
+        # the check's share of the cores (see runner.check_all), and no thread spinning between
+        # runs: parallel checks would otherwise each start a pool over every core
+        options.intra_op_num_threads = torch.get_num_threads()
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(
             str(onnx_model_or_path) if isinstance(onnx_model_or_path, Path) else onnx_model_or_path,
             options, providers=["CPUExecutionProvider"],
