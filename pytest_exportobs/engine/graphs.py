@@ -69,18 +69,22 @@ def split_off(aligned: AlignedCalls, plan: GraphPlan, calls: Iterable[int]) -> l
 
 
 def name_graphs(plans: list[GraphPlan]) -> None:
-    """Name each plan by what sets it apart: ``with labels``, ``without past_key_values``,
-    ``use_cache=True``; a single plan has no name."""
+    """Name each plan by what sets it apart, shortest first: the inputs it takes that another
+    plan lacks (``with labels``), else those it lacks (``without past_key_values``); then the
+    constants it binds (``use_cache=True``) where inputs do not tell the plans apart.  A single
+    plan has no name."""
     if len(plans) < 2:
         return
     every = frozenset().union(*(p.slots for p in plans))
     common = frozenset.intersection(*(p.slots for p in plans))
     keys = {k for p in plans for k in p.constants}
     varying = sorted(k for k in keys if len({repr(p.constants.get(k)) for p in plans}) > 1)
-    for plan in plans:
-        parts = [f"with {s}" for s in sorted(plan.slots - common)]
-        parts += [f"without {s}" for s in sorted(every - plan.slots)]
-        parts += [f"{k}={plan.constants[k]!r}" if k in plan.constants else f"{k} default" for k in varying]
+    by_inputs = [", ".join([f"with {s}" for s in sorted(p.slots - common)]
+                           or [f"without {s}" for s in sorted(every - p.slots)]) for p in plans]
+    for plan, inputs in zip(plans, by_inputs):
+        parts = [inputs] if inputs else []
+        if by_inputs.count(inputs) > 1:
+            parts += [f"{k}={plan.constants[k]!r}" if k in plan.constants else f"{k} default" for k in varying]
         plan.name = ", ".join(parts) or "default arguments"
     names = [p.name for p in plans]
     for plan in plans:
