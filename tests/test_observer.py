@@ -671,3 +671,24 @@ def test_an_index_out_of_range_is_an_index_error() -> None:
     assert string_type(observer.infer_arguments(-1), with_shape=True) == "(T1s4x8,T1s1x8)"
     with pytest.raises(IndexError, match=re.escape("index 3 out of range: 3 recorded calls")):
         observer.infer_arguments(3)
+
+
+class Methods(torch.nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return x
+
+    def generate(*args: Any, **kwargs: Any) -> None:  # no ``self`` of its own
+        return None
+
+    @classmethod
+    def build(cls, size: int) -> Methods:
+        return cls()
+
+
+@pytest.mark.parametrize("name", ["forward", "generate", "build"])
+def test_the_cached_signature_of_a_method_is_inspects(name: str) -> None:
+    from pytest_exportobs.observe.recorder import signature_of
+
+    method = getattr(Methods(), name)
+    assert signature_of(method) == inspect.signature(method)
+    assert signature_of(getattr(Methods(), name)) is signature_of(method)  # computed once

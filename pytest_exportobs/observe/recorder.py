@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,23 @@ def _equal_sizes(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(-1 - s if s < 2 else first.setdefault(s, i) for i, s in enumerate(sizes))
 
 
+def signature_of(method: Callable[..., Any]) -> inspect.Signature:
+    """``inspect.signature(method)``, computed once per function for bound methods: a session
+    enters an observing block per test and model."""
+    if inspect.ismethod(method):
+        return _bound_signature(method.__func__)
+    return inspect.signature(method)
+
+
+@functools.lru_cache(maxsize=256)
+def _bound_signature(function: Callable[..., Any]) -> inspect.Signature:
+    signature = inspect.signature(function)
+    parameters = list(signature.parameters.values())
+    if parameters and parameters[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        parameters = parameters[1:]  # what binding takes (``self``); ``*args`` stays
+    return signature.replace(parameters=parameters)
+
+
 def weights_version(module: torch.nn.Module) -> int:
     """Sum of the in-place version counters of parameters and buffers: changes when weights do.
 
@@ -151,7 +169,7 @@ class CallRecorder:
         method = getattr(model, method_name, None)
         if not callable(method):
             raise ValueError(f"{type(model).__name__} has no method {method_name!r} to observe")
-        self._check_signature(inspect.signature(method))
+        self._check_signature(signature_of(method))
         limit = len(self.observations) + store_n_calls
         self._limits.append(limit)
         try:
