@@ -1,7 +1,8 @@
 """The baseline of a suite's export checks: a small JSON file kept under version control.
 
 Per model the verdict, failing stage, named dynamic dims (per graph too, for a model exported as
-several graphs), relations, max |Δ| with its tolerance, ONNX opset and op counts.  Pure Python: importing this module costs nothing.
+several graphs), relations, max |Δ| with its tolerance, ONNX opset and op counts.  Pure Python:
+importing this module costs nothing.
 
 An update merges a session's results into the file under a lock (:func:`update_baseline`):
 entries of models the session did not check are kept unless pruned, and two sessions updating

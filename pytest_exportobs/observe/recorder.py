@@ -106,7 +106,8 @@ def signature_of(method: Callable[..., Any]) -> inspect.Signature:
 def _bound_signature(function: Callable[..., Any]) -> inspect.Signature:
     signature = inspect.signature(function)
     parameters = list(signature.parameters.values())
-    if parameters and parameters[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if parameters and parameters[0].kind in positional:
         parameters = parameters[1:]  # what binding takes (``self``); ``*args`` stays
     return signature.replace(parameters=parameters)
 

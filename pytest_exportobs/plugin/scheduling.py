@@ -14,7 +14,6 @@ from xdist.scheduler import LoadScopeScheduling
 from xdist.workermanage import WorkerController
 
 
-
 class ModelScheduling(LoadScopeScheduling):
     """xdist's scope scheduling where a scope is a placement group (see :mod:`.xdist`): the tests
     of one model run on one worker, the models are dealt evenly to the workers, and every other

@@ -236,4 +236,3 @@ def _without_absent_terms(relation: Relation, variables: dict[str, Variable]) ->
         if size is not None and None not in terms.values() and reduced.size(terms) != size:
             return None
     return reduced
-
