@@ -580,7 +580,13 @@ def test_a_structure_change_names_the_argument_the_calls_and_how(second, change,
 
 def test_a_rank_change_names_the_input_and_the_ranks() -> None:
     calls = [((torch.randn(2, 3), torch.randn(1, 3)), {}), ((torch.randn(3, 3, 1), torch.randn(1, 3)), {})]
-    assert errors_of(calls, AddModel()) == "input 'x' changes rank between calls (call 0: rank 2, call 1: rank 3)"
+    assert errors_of(calls, AddModel()) == "input 'x' changes rank between calls (rank 2 in call 0; rank 3 in call 1)"
+
+
+def test_a_rank_change_names_only_the_calls_that_differ() -> None:
+    calls = [((torch.randn(n, 3), torch.randn(1, 3)), {}) for n in range(2, 7)]
+    calls.insert(3, ((torch.randn(3, 3, 1), torch.randn(1, 3)), {}))
+    assert errors_of(calls, AddModel()) == "input 'x' changes rank between calls (rank 2 in calls 0-2, 4-5; rank 3 in call 3)"
 
 
 @pytest.mark.parametrize(

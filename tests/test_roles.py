@@ -98,9 +98,10 @@ def test_a_mask_given_in_one_call_joins_the_variables_it_equals() -> None:
         ({"features": torch.randn(4, 12, 32)}, "features{0:batch,1:seq}", {"batch": "role", "seq": "guess"}),
         ({"images": torch.randn(1, 3, 32, 32)}, "images{0:batch,2:height,3:width}",
          {"batch": "role", "height": "guess", "width": "guess"}),
-        ({"x": torch.randn(4, 8), "lengths": ids(4)}, "x{0:batch}", {"batch": "role"}),
+        ({"x": torch.randn(4, 8), "lengths": ids(4)}, "x{0:batch} lengths{0:batch}", {"batch": "role"}),
+        ({"x": torch.randn(4, 8), "scale": torch.randn(4)}, "x{0:batch}", {"batch": "role"}),
     ],
-    ids=["token-ids", "features", "images", "rank-1 side input"],
+    ids=["token-ids", "features", "images", "rank-1 side input", "rank-1 float of the batch's size"],
 )
 def test_generic_inputs_get_guessed_roles(call: dict[str, Any], dims: str, sources: dict[str, str]) -> None:
     assert summary(shapes_of([call]))[:2] == (dims, sources)

@@ -44,11 +44,13 @@ class ExportCache:
 
     def key(self, module: torch.nn.Module, method: str, shapes: ShapeModel, args: tuple, kwargs: dict) -> str:
         """Hash of what the ONNX file depends on: the classes of the model and its submodules
-        (qualified names and source files), the method exported, the input structure and its
-        dynamic dims, the weights, package versions and patches."""
+        (qualified names and source files), its configuration, the method exported, the constant
+        arguments bound, the input structure (tree, dtypes, ranks) and its dynamic dims, the
+        weights, package versions and patches."""
         digest = hashlib.sha256()
         classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules()})
-        digest.update(json.dumps([classes, method, shapes.aligned.leaf_names]).encode())
+        constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
+        digest.update(json.dumps([classes, method, shapes.aligned.leaf_names, constants, _configuration(module)]).encode())
         for source in _source_files(module):
             digest.update(source.encode())
         for name, tensor in (*module.named_parameters(), *module.named_buffers()):
@@ -87,6 +89,16 @@ class ExportCache:
         with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False, suffix=".tmp") as f:
             json.dump(meta, f)
         os.replace(f.name, self.directory / f"{key}.json")
+
+
+def _configuration(module: torch.nn.Module) -> str:
+    """The model's configuration (transformers, diffusers: ``config``), which changes the traced code."""
+    config = getattr(module, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    try:
+        return to_json() if callable(to_json) else repr(config)
+    except (TypeError, ValueError):
+        return repr(config)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

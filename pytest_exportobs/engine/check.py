@@ -99,15 +99,29 @@ class _ModelCheck:
             factories = [patches.resolve(path) for path in paths]
         except ValueError as e:  # a patch the user named that cannot be imported
             raise ModelProblem("infer", "error", f"ValueError: {e}") from e
+        graphs: list[GraphCheck] = []
+        unverified: list[str] = []
         with export_patches(), patches.entered(factories), flattening_context(), _eval_no_grad(self.group.module):
-            joint = self._infer()
-            context = self._context()
-            graphs, unverified = self._check_graphs(joint, context)
-        _summarize(self.result, [g.result for g in graphs], unverified, joint)
+            families = self.group.recorder.families()
+            observations, found = list(self.group.recorder.observations), None
+            for family in families:
+                joint = self._infer(family)
+                found = found or self._references(observations)
+                context = self._context(family, observations, found)
+                checks, left = self._check_graphs(joint, context, first_graph=len(graphs))
+                graphs.extend(checks)
+                if left:
+                    shown = ", ".join(sorted(joint.aligned.present_slots(left[0])))
+                    unverified.append(f"calls {[family[i] for i in left]} (they pass {shown})")
+        if len(families) > 1:
+            self.result.notes.append(
+                f"{len(families)} input structures (ranks, dtypes or cache classes differ), "
+                f"each with its own graphs: calls {' | '.join(_spans(f) for f in families)}")
+        _summarize(self.result, [g.result for g in graphs], unverified)
         if self.result.verdict == PASSED:
             self.result.output = ""
 
-    def _infer(self) -> ShapeModel:
+    def _infer(self, family: list[int]) -> ShapeModel:
         self.progress("infer")
         begin = time.perf_counter()
         options = self.options
@@ -117,39 +131,48 @@ class _ModelCheck:
         )
         try:
             joint = ShapeModel.from_aligned(
-                self.group.recorder.aligned(mixed_constants=True), options.set_batch_dimension_for,
+                self.group.recorder.aligned(mixed_constants=True, calls=family), options.set_batch_dimension_for,
                 options.dim_names, policy,
             )
         except UnsupportedInput as e:
             raise ModelProblem("infer", "unsupported-input", str(e)) from e
         except (TypeError, ValueError) as e:  # calls that disagree, bad marker options
             raise ModelProblem("infer", "error", str(e)) from e
-        self.result.timings["infer"] = time.perf_counter() - begin
-        summary = joint.to_json()
-        self.result.dims, self.result.relations, self.result.bounds = summary["dims"], summary["relations"], summary["bounds"]
-        self.result.notes.extend(joint.notes)
+        self.result.timings["infer"] = self.result.timings.get("infer", 0.0) + time.perf_counter() - begin
+        if not self.result.dims:  # the largest family's, until a graph reads them back
+            summary = joint.to_json()
+            self.result.dims, self.result.relations, self.result.bounds = (
+                summary["dims"], summary["relations"], summary["bounds"])
+        self.result.notes.extend(n for n in joint.notes if n not in self.result.notes)
         return joint
 
-    def _context(self) -> ModelContext:
-        observations = list(self.group.recorder.observations)
+    def _references(self, observations: list[Any]) -> Any:
         found = self._quiet(lambda: references(self.group, observations))
         self.result.reference = found.origin
         if not any(isinstance(t, torch.Tensor) for outputs in found.outputs for t in outputs):
             raise ModelProblem(
                 "infer", "unsupported-output", "the model returns no tensor (None or constants only): nothing to export"
             )
+        return found
+
+    def _context(self, family: list[int], observations: list[Any], found: Any) -> ModelContext:
+        """What the graphs of one family share (calls indexed as in the family)."""
         tolerance = Tolerance(_first(self.options.atol, self.settings.atol), _first(self.options.rtol, self.settings.rtol))
         self.result.atol, self.result.rtol = tolerance.atol, tolerance.rtol
         return ModelContext(
             group=self.group, settings=self.settings, tolerance=tolerance,
             examples=_first(self.options.examples, self.settings.examples),
             patches=(*self.settings.patches, *self.options.patches),
-            model_dir=model_directory(self.settings.export_dir, self.group.name), observations=observations,
-            references=found.outputs, quiet=self._quiet, progress=self.progress,
+            model_dir=model_directory(self.settings.export_dir, self.group.name),
+            observations=[observations[i] for i in family], references=[found.outputs[i] for i in family],
+            quiet=self._quiet, progress=self.progress, ids=list(family),
         )
 
-    def _check_graphs(self, joint: ShapeModel, context: ModelContext) -> tuple[list[GraphCheck], list[int]]:
-        """Export and verify graph after graph; plans an exported graph serves need none."""
+    def _check_graphs(
+        self, joint: ShapeModel, context: ModelContext, first_graph: int = 0
+    ) -> tuple[list[GraphCheck], list[int]]:
+        """Export and verify graph after graph; plans an exported graph serves need none.
+        Returns the checks (their calls numbered as the model's) and the calls left unverified."""
         queue, done, unverified = deque(plan_graphs(joint.aligned)), [], []
         while queue:
             plan = queue.popleft()
@@ -158,7 +181,8 @@ class _ModelCheck:
             if len(done) >= MAX_GRAPHS:
                 unverified.extend(plan.calls)
                 continue
-            directory = context.model_dir / (f"graph{len(done)}" if done else "")
+            number = first_graph + len(done)
+            directory = context.model_dir / (f"graph{number}" if number else "")
             check = GraphCheck(context, plan, joint.project(plan.calls, plan.slots), directory)
             check.run()
             done.append(check)
@@ -167,6 +191,8 @@ class _ModelCheck:
                 split.name = ", ".join(filter(None, [plan.name, f"without {missing}"]))
                 check.result.name = check.result.name or f"with {missing}"
                 queue.append(split)
+        for check in done:
+            check.result.renumber(context.ids)
         return done, unverified
 
     def _quiet(self, call: Callable[[], T]) -> T:
@@ -191,7 +217,7 @@ def _serves(check: GraphCheck, joint: ShapeModel, plan: GraphPlan) -> bool:
     return check.serves(joint.project([*check.plan.calls, *plan.calls], check.plan.slots, strict=False), plan.calls)
 
 
-def _summarize(result: ModelResult, graphs: list[GraphResult], unverified: list[int], joint: ShapeModel) -> None:
+def _summarize(result: ModelResult, graphs: list[GraphResult], unverified: list[str]) -> None:
     """The model's result from its graphs: the first graph's dims and files, the first failure."""
     result.graphs = graphs
     first, several = graphs[0], len(graphs) > 1
@@ -209,16 +235,23 @@ def _summarize(result: ModelResult, graphs: list[GraphResult], unverified: list[
         timings.update(g.timings)
         result.notes.extend(f"[{g.name}] {note}" if several and g.name else note for note in g.notes)
     result.timings.update(timings)
-    failing = next((g for g in graphs if not g.passed), None)
+    failing = next((g for g in graphs if not g.passed and g.verdict != SKIPPED), None)
+    skipped = next((g for g in graphs if g.verdict == SKIPPED), None)
+    if failing is None and not unverified and skipped is not None:  # exported, but not run here
+        failing = skipped
+        result.verdict = SKIPPED
     if failing is not None:
         result.stage, result.kind, result.traceback, result.repro_path = failing.stage, failing.kind, failing.traceback, failing.repro_path
         result.reason = f"[{failing.name}] {failing.reason}" if several and failing.name else failing.reason
     elif unverified:
         result.stage, result.kind = "verify", "unverified"
-        shown = ", ".join(sorted(joint.aligned.present_slots(unverified[0])))
-        result.reason = f"calls {unverified} run on no exported graph (they pass {shown}; at most {len(graphs)} graphs)"
+        result.reason = f"{'; '.join(unverified)} run on no exported graph (at most {MAX_GRAPHS} graphs per input structure)"
     else:
         result.verdict, result.stage = PASSED, graphs[-1].stage
+
+
+def _spans(indices: list[int]) -> str:
+    return ", ".join(map(str, indices)) if len(indices) < 6 else f"{len(indices)} calls from {indices[0]}"
 
 
 def _xfail_reason(xfail: bool | str | None) -> str:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..core.text import error_line
 from ..core.trees import flat_outputs
 from ..observe.recorder import Observation
 from ..observe.store import ModelGroup
@@ -27,10 +28,10 @@ from .graphs import GraphPlan
 from .probe import acceptor, probe_unvaried_dims
 from .references import refreshed, reproduction
 from .repro import write_repro
-from .result import PASSED, GraphResult
+from .result import PASSED, RUNTIME, SKIPPED, GraphResult
 from .settings import CheckSettings
 from .variations import explore
-from .verify import Discrepancy, OnnxRunner, OutputLayout, Tolerance, program_runner, verify_calls
+from .verify import Discrepancy, OnnxRunner, RuntimeGap, OutputLayout, Tolerance, program_runner, verify_calls
 
 T = TypeVar("T")
 Runner = Callable[[list[Any]], list[Any]]
@@ -51,6 +52,7 @@ class ModelContext:
     references: list[list[Any]]
     quiet: Callable[[Callable[[], T]], T]
     progress: Callable[[str], None]
+    ids: list[int]  # per call here, its number among the model's recorded calls
 
     @property
     def module(self) -> torch.nn.Module:
@@ -88,6 +90,8 @@ class GraphCheck:
         if not outcome.ok:
             return result
         self.runner = self._runner(outcome)
+        if self.runner is None:
+            return result
         names = self.shapes.aligned.leaf_names
         mask = next((names.index(n) for n in ("attention_mask", "decoder_attention_mask") if n in names), None)
         self.layout = OutputLayout(tuple(outcome.outputs), mask)
@@ -112,7 +116,8 @@ class GraphCheck:
         if not all(d.ok for d in found):
             return False
         self.result.calls.extend(calls)
-        self.result.notes.append(f"calls {calls} of other arguments or constants also run on this graph")
+        self.result.notes.append(
+            f"calls {[self.context.ids[c] for c in calls]} of other arguments or constants also run on this graph")
         return True
 
     def _export(self) -> ExportOutcome:
@@ -140,15 +145,27 @@ class GraphCheck:
             self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))
         return outcome
 
-    def _runner(self, outcome: ExportOutcome) -> Runner:
+    def _runner(self, outcome: ExportOutcome) -> Runner | None:
+        """What runs the graph; ``None`` when onnxruntime lacks a kernel the graph needs: the
+        graph is then skipped (kind ``runtime``), the export itself being fine."""
         result, target = self.result, self.context.settings.target
         result.stage = "ort-load" if target == "onnx" else "verify"
         begin = time.perf_counter()
-        runner = (
-            self.context.quiet(lambda: OnnxRunner(Path(outcome.onnx_path))) if target == "onnx"
-            else program_runner(outcome.program, self.shapes.aligned, constants=not outcome.bound)
-        )
-        result.timings[result.stage] = time.perf_counter() - begin
+        try:
+            runner = (
+                self.context.quiet(lambda: OnnxRunner(Path(outcome.onnx_path))) if target == "onnx"
+                else program_runner(outcome.program, self.shapes.aligned, constants=not outcome.bound)
+            )
+        except RuntimeGap as gap:
+            result.verdict, result.kind, result.reason = SKIPPED, RUNTIME, gap.explain(_float_dtype(self.context.module))
+            return None
+        except Exception as e:
+            if not type(e).__module__.startswith("onnxruntime"):
+                raise
+            result.kind, result.reason = "error", f"onnxruntime cannot load the ONNX written: {error_line(e)}"
+            return None
+        finally:
+            result.timings[result.stage] = time.perf_counter() - begin
         return runner
 
     def _verify(self) -> bool:
@@ -182,7 +199,7 @@ class GraphCheck:
                 return False
         source = context.observations[self.plan.calls[worst.index]].source or "recorded call"
         result.kind = worst.kind
-        result.reason = f"call {self.plan.calls[worst.index]} from {source}: {worst.detail or worst.kind}" + (
+        result.reason = f"call {context.ids[self.plan.calls[worst.index]]} from {source}: {worst.detail or worst.kind}" + (
             f", max |Δ| {worst.max_abs:.3g}" if worst.kind == "mismatch" else "")
         self._repro(leaves[worst.index])
         return False
@@ -191,7 +208,7 @@ class GraphCheck:
         padded = [d for d in found if d.n_padded]
         if padded:
             self.result.notes.append(
-                f"calls {[self.plan.calls[d.index] for d in padded]}: {sum(d.n_padded for d in padded)} values beyond "
+                f"calls {[self.context.ids[self.plan.calls[d.index]] for d in padded]}: {sum(d.n_padded for d in padded)} values beyond "
                 f"tolerance only in cache entries at padded positions (max |Δ| {max(d.padded_max_abs for d in padded):.3g}), "
                 "which attention never reads: tolerated"
             )
@@ -205,7 +222,7 @@ class GraphCheck:
         found = context.quiet(lambda: reproduction(context.group, observation, context.references[call], context.tolerance))
         if found == "nondeterministic":
             result.kind = "nondeterministic"
-            result.reason = (f"call {call} from {observation.source or 'recorded call'}: two eager runs differ, "
+            result.reason = (f"call {context.ids[call]} from {observation.source or 'recorded call'}: two eager runs differ, "
                              "the outputs cannot be compared (sampling? a submodule in training mode?)")
         elif found == "stale":
             fresh = context.quiet(lambda: refreshed(context.group, context.observations))
@@ -254,6 +271,10 @@ class GraphCheck:
         result.repro_path = repro.path
         if repro.note:
             result.notes.append(repro.note)
+
+
+def _float_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
 def _json_native(values: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,9 @@ INTERRUPTED = "interrupted"
 # A failed result of this kind is the machine's problem (I/O, permissions, disk full), not the
 # model's: a session error, never a verdict, never written into a baseline.
 ENVIRONMENT = "environment"
+# A skipped graph of this kind was exported fine, but onnxruntime's provider here has no kernel for
+# one of its ops in its dtype (the CPU provider lacks many float16/bfloat16 kernels): not verified.
+RUNTIME = "runtime"
 
 # Stages in the order a check goes through them; a failure names the stage it stopped at.
 # ``isolate``: the forked process checking the model died (--export-isolate), stage unknown.
@@ -70,6 +73,11 @@ class GraphResult:
     @property
     def passed(self) -> bool:
         return self.verdict == PASSED
+
+    def renumber(self, ids: list[int]) -> None:
+        """Number the calls as the model does, from ``ids[i]``: the number of this check's call ``i``."""
+        self.calls = [ids[c] for c in self.calls]
+        self.discrepancies = [d | {"index": ids[d["index"]]} for d in self.discrepancies]
 
 
 @dataclass

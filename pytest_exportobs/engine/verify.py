@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -152,6 +153,21 @@ class OutputLayout:
         return leaves[self.mask_leaf] if self.mask_leaf is not None else None
 
 
+class RuntimeGap(Exception):
+    """onnxruntime has no kernel for an op of the graph (``NOT_IMPLEMENTED`` at session load)."""
+
+    def explain(self, dtype: torch.dtype | None) -> str:
+        """What the user reads: the op, the dtype and what to do."""
+        found = re.search(r"implementation for (\S+?)\((\d+)\) node with name '([^']*)'", str(self))
+        op = f"{found[1]} (opset {found[2]}, node {found[3]})" if found else "an op of the graph"
+        in_dtype = f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+        return (
+            f"onnxruntime's CPUExecutionProvider has no kernel for {op}{in_dtype}: the ONNX was written and "
+            "checked but cannot run here; verify the model in float32 (a float32 copy in the tests), or "
+            "with an execution provider that has the kernel"
+        )
+
+
 class OnnxRunner:
     """An onnxruntime session fed with the flat leaves of an aligned call."""
 
@@ -168,10 +184,15 @@ class OnnxRunner:
         # runs: parallel checks would otherwise each start a pool over every core
         options.intra_op_num_threads = torch.get_num_threads()
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = onnxruntime.InferenceSession(
-            str(onnx_model_or_path) if isinstance(onnx_model_or_path, Path) else onnx_model_or_path,
-            options, providers=["CPUExecutionProvider"],
-        )
+        try:
+            self.session = onnxruntime.InferenceSession(
+                str(onnx_model_or_path) if isinstance(onnx_model_or_path, Path) else onnx_model_or_path,
+                options, providers=["CPUExecutionProvider"],
+            )
+        except Exception as e:
+            if "NOT_IMPLEMENTED" in str(e):
+                raise RuntimeGap(str(e)) from e
+            raise
         self.input_names = [i.name for i in self.session.get_inputs()]
 
     def __call__(self, leaves: Sequence[Any]) -> list[np.ndarray]:

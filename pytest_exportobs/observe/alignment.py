@@ -263,6 +263,37 @@ def align_calls(
     return aligned
 
 
+def structure_families(
+    calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]], signature: inspect.Signature
+) -> list[list[int]]:
+    """The calls grouped into families that can be aligned together, largest first.
+
+    Two calls are of one family when every tensor argument both pass has the same tree structure
+    (the cache class included) and the same rank and dtype leaf by leaf: a 4-D mask, float labels
+    or a ``StaticCache`` beside a ``DynamicCache`` are another graph signature, never a reason to
+    fail the model.  An argument a call lacks agrees with anything (it is stood in for).
+    """
+    keys = [{} for _ in calls]
+    for sv in bind_all(calls, signature):
+        for key, value in zip(keys, sv.values):
+            if not is_absent(value) and not isinstance(value, CONSTANT_TYPES):
+                key[sv.name] = _structure_key(value)
+    families: list[tuple[dict[str, Any], list[int]]] = []
+    for index, key in enumerate(keys):
+        family = next((f for f in families if all(f[0].get(n, k) == k for n, k in key.items())), None)
+        if family is None:
+            families.append(({}, []))
+            family = families[-1]
+        family[0].update(key)
+        family[1].append(index)
+    return sorted((members for _, members in families), key=len, reverse=True)
+
+
+def _structure_key(value: Any) -> tuple[str, tuple[Any, ...]]:
+    leaves, spec = _pytree.tree_flatten(value)
+    return str(spec), tuple((t.dtype, t.dim()) if isinstance(t, torch.Tensor) else type(t) for t in leaves)
+
+
 def _flatten_slot(name: str, label: str, values: list[Any]) -> tuple[_pytree.TreeSpec, list[list[Any]], Any]:
     """The common pytree spec of a slot, each call's leaves (``None`` where absent) and the
     value with most leaves; ``label`` names the argument in errors as torch's InputObserver does."""
@@ -310,13 +341,27 @@ def _key_name(key: Any) -> str:
 
 
 def _check_ranks(aligned: AlignedCalls) -> None:
+    shapes = aligned.shapes()
     for leaf, name in enumerate(aligned.leaf_names):
-        ranks = {
-            i: len(shape) for i, call in enumerate(aligned.shapes()) if (shape := call[leaf]) is not None
-        }
-        if len(set(ranks.values())) > 1:
-            shown = ", ".join(f"call {i}: rank {r}" for i, r in ranks.items())
+        by_rank: dict[int, list[int]] = {}
+        for i, call in enumerate(shapes):
+            if call[leaf] is not None:
+                by_rank.setdefault(len(call[leaf]), []).append(i)
+        if len(by_rank) > 1:
+            ordered = sorted(by_rank.items(), key=lambda item: -len(item[1]))
+            shown = "; ".join(f"rank {r} in call{'s' * (len(c) > 1)} {_spans(c)}" for r, c in ordered)
             raise ValueError(f"input {name!r} changes rank between calls ({shown})")
+
+
+def _spans(indices: list[int]) -> str:
+    """``0-3, 7`` for ``[0, 1, 2, 3, 7]``."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and spans[-1][-1] == i - 1:
+            spans[-1][-1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _missing_dims(aligned: AlignedCalls, strict: bool = True) -> dict[int, int]:

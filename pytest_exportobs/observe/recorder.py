@@ -13,7 +13,7 @@ import torch
 from torch.utils import _pytree
 
 from ..core.trees import detached_clone, flattening_context
-from .alignment import AlignedCalls, align_calls
+from .alignment import AlignedCalls, align_calls, structure_families
 from .interception import intercepted
 
 
@@ -282,18 +282,31 @@ class CallRecorder:
         names = [n for n in self.signature.parameters if n in kwargs]
         return {**{n: kwargs[n] for n in names}, **kwargs}
 
-    def aligned(self, mixed_constants: bool = False) -> AlignedCalls:
-        """The stored observations aligned on one input structure (see :mod:`.alignment`);
-        ``mixed_constants`` records each call's constant arguments instead of raising when they
-        differ."""
+    def families(self) -> list[list[int]]:
+        """The stored observations in families of one graph signature (see
+        :func:`.alignment.structure_families`), largest first."""
+        self._check_recorded()
+        with flattening_context():
+            return structure_families([(o.args, o.kwargs) for o in self.observations], self.signature)
+
+    def aligned(self, mixed_constants: bool = False, calls: list[int] | None = None) -> AlignedCalls:
+        """The stored observations (or those of index ``calls``) aligned on one input structure (see
+        :mod:`.alignment`); ``mixed_constants`` records each call's constant arguments instead of
+        raising when they differ."""
+        self._check_recorded()
+        chosen = list(range(len(self.observations))) if calls is None else list(calls)
+        with flattening_context():
+            aligned = align_calls(
+                [(self.observations[i].args, self.observations[i].kwargs) for i in chosen], self.signature,
+                self.value_if_missing, mixed_constants=mixed_constants,
+            )
+        aligned.kept = chosen
+        return aligned
+
+    def _check_recorded(self) -> None:
         if not self.observations or self.signature is None:
             reason = (
                 f"; {self.counts.failed} call(s) could not be recorded: {'; '.join(self.errors)}"
                 if self.counts.failed else ""
             )
             raise ValueError(f"no call was recorded: call the model inside `with observer(model):`{reason}")
-        with flattening_context():
-            return align_calls(
-                [(o.args, o.kwargs) for o in self.observations], self.signature, self.value_if_missing,
-                mixed_constants=mixed_constants,
-            )

@@ -47,6 +47,15 @@ KNOWN_INPUTS: dict[str, dict[int, str]] = {
     "input_features": {0: "batch", 2: "frames"},
     "input_values": {0: "batch", 1: "frames"},
 }
+# inputs whose layout depends on their rank: a 4-D mask is (batch, heads, query, key), multiple-choice
+# token ids are (batch, choices, seq)
+KNOWN_BY_RANK: dict[tuple[str, int], dict[int, str]] = {
+    ("attention_mask", 4): {0: "batch", 2: "text", 3: "mask"},
+    ("decoder_attention_mask", 4): {0: "batch", 2: "seq", 3: "decoder_mask"},
+    ("input_ids", 3): {0: "batch", 2: "text"},
+    ("token_type_ids", 3): {0: "batch", 2: "text"},
+    ("attention_mask", 3): {0: "batch", 2: "mask"},
+}
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,7 @@ def _known_roles(aligned: AlignedCalls, leaf: int, encoder_decoder: bool, covers
         "mask": "encoder_seq" if encoder_decoder else ("total_seq" if covers_past else "seq"),
         "decoder_mask": "total_seq" if covers_past else "seq",
     }
-    known = KNOWN_INPUTS.get(slot, {})
+    known = KNOWN_BY_RANK.get((slot, rank)) or KNOWN_INPUTS.get(slot, {})
     return {(leaf, dim): Role(spelled.get(name, name), name not in ("height", "width")) for dim, name in known.items() if dim < rank}
 
 
@@ -105,20 +114,23 @@ def _mask_covers_past(aligned: AlignedCalls) -> bool:
 
 def _generic_roles(aligned: AlignedCalls, known: dict[Axis, Role]) -> dict[Axis, Role]:
     """Guesses for inputs with other names: dim 0 is the batch when it agrees with the batch of
-    the other inputs; token ids and masks ``(batch, seq)``; features ``(batch, seq, hidden)``
-    (a soft guess); images ``(batch, channels, height, width)``."""
+    the other inputs (1-D targets such as ``start_positions`` included); token ids and masks
+    ``(batch, seq)``; features ``(batch, seq, hidden)`` (a soft guess); images ``(batch,
+    channels, height, width)``."""
     generic = [
         leaf for leaf in range(len(aligned.leaf_names))
-        if aligned.is_tensor_leaf(leaf) and not any(axis[0] == leaf for axis in known) and _rank(aligned, leaf) >= 2
+        if aligned.is_tensor_leaf(leaf) and not any(axis[0] == leaf for axis in known) and _rank(aligned, leaf) >= 1
     ]
     batch = _batch_sizes(aligned, [axis for axis, role in known.items() if role.name == "batch"] or
-                         [(leaf, 0) for leaf in generic[:1]])
+                         [(leaf, 0) for leaf in generic if _rank(aligned, leaf) >= 2][:1])
     roles: dict[Axis, Role] = {}
     for leaf in generic:
         if batch is None or not _agrees(aligned, (leaf, 0), batch):
             continue
-        roles[(leaf, 0)] = Role("batch")
         rank, dtype = _rank(aligned, leaf), aligned.reference_tensor(leaf).dtype
+        if rank == 1 and dtype.is_floating_point and len(set(batch) - {None}) < 2:
+            continue  # a float vector of the batch's size in every call may be a coincidence; a target is not
+        roles[(leaf, 0)] = Role("batch")
         if rank == 2 and not dtype.is_floating_point:
             roles[(leaf, 1)] = Role("seq")
         elif rank == 3 and dtype.is_floating_point:
