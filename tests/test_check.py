@@ -17,6 +17,7 @@ from models import MLP, Branchy, ConvNet, HalvingUNet
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.engine.settings import CheckSettings
+from pytest_exportobs.engine.verify import Tolerance, compare
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
 
@@ -420,3 +421,28 @@ def test_one_dimensional_targets_follow_the_batch(tmp_path: Path) -> None:
     assert result.verdict == "passed", result.reason
     assert result.dims == {"input_ids": {"0": "batch", "1": "seq"}, "start_positions": {"0": "batch"},
                            "end_positions": {"0": "batch"}}
+
+
+def test_a_kernel_onnxruntime_lacks_skips_the_model_naming_op_and_dtype(tmp_path: Path) -> None:
+    model = MLP().to(torch.bfloat16).eval()
+    result = check_model(observed(model, (torch.randn(2, 8, dtype=torch.bfloat16),)), settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind) == ("skipped", "ort-load", "runtime"), result.reason
+    assert result.reason.startswith("onnxruntime's CPUExecutionProvider has no kernel for ")
+    assert " in bfloat16: the ONNX was written and checked but cannot run here; verify the model in float32" in result.reason
+    assert Path(result.onnx_path).is_file()
+
+
+def test_rows_of_padded_queries_are_compared_as_attention_reads_them() -> None:
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # left padding
+    reference = torch.randn(2, 5, 8)
+    garbage_at_padding = reference.clone()
+    garbage_at_padding[0, :2] += 0.7  # queries that attend to nothing: arbitrary in eager and ONNX
+    found = compare([garbage_at_padding], [reference], Tolerance(), padding=mask)
+    assert (found.ok, found.n_padded, found.n_beyond) == (True, 16, 0)
+    wrong_real_token = reference.clone()
+    wrong_real_token[0, 2, 0] += 0.7
+    found = compare([wrong_real_token], [reference], Tolerance(), padding=mask)
+    assert (found.ok, found.kind, found.n_beyond, found.n_padded) == (False, "mismatch", 1, 0)
+    classifier = torch.randn(2, 5)  # (batch, labels): no rows of queries, even when labels == length
+    found = compare([classifier + 0.7], [classifier], Tolerance(), padding=mask)
+    assert (found.ok, found.n_beyond) == (False, 10)

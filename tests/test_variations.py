@@ -17,6 +17,8 @@ from models import example_arguments, tiny_llama_config
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.engine.variations import Leaves, VariationOutcome, explore, size_ranges
 from pytest_exportobs.engine.verify import OnnxRunner, Tolerance
+from pytest_exportobs.shapes.dims import Relation
+from pytest_exportobs.shapes.synthesis import build_leaves, complete_sizes, recipes
 
 
 class OddBatchShift(torch.nn.Module):
@@ -265,3 +267,59 @@ def test_tiny_llama_variations(tmp_path):
         assert leaves["attention_mask"].shape == (batch, past + seq)
         assert 0 <= int(leaves["input_ids"].min()) and int(leaves["input_ids"].max()) < 100
         assert torch.equal(leaves["position_ids"], torch.arange(past, past + seq).expand(batch, seq))
+
+
+def test_derived_sizes_follow_their_expression() -> None:
+    observer = InputObserver()
+    model = ConvPair()
+    with observer(model):
+        for side in (8, 12):
+            model(torch.randn(1, 3, side, side))
+    shapes = ShapeModel.from_aligned(observer.aligned())
+    shapes.derive("height", Relation("height", ("height_half",), scale=2))
+    assert complete_sizes(shapes, {"batch": 2, "height_half": 3, "width": 5})["height"] == 6
+
+
+class ConvPair(torch.nn.Module):
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return pixel_values.mean((2, 3))
+
+
+@pytest.mark.parametrize(
+    ("recorded", "left", "pad_value"),
+    [
+        (torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), True, 0),
+        (torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]), False, 0),
+        (torch.tensor([[False, False, True], [False, False, False]]), False, 1),
+    ],
+    ids=["left-padded", "right-padded", "key-padding-mask"],
+)
+def test_generated_masks_look_like_a_tokenizers(recorded: torch.Tensor, left: bool, pad_value: int) -> None:
+    name = "src_key_padding_mask" if pad_value else "attention_mask"
+    observer = InputObserver()
+    model = MaskUser()
+    with observer(model):
+        model(torch.randn(2, recorded.shape[1], 4), **{name: recorded})
+        model(torch.randn(3, recorded.shape[1] + 1, 4), **{name: torch.cat([recorded, recorded[:1]])[:, :1].repeat(1, recorded.shape[1] + 1)})
+    shapes = ShapeModel.from_aligned(observer.aligned())
+    leaf = shapes.aligned.leaf_names.index(name)
+    recipe = recipes(shapes)[leaf]
+    assert (recipe.kind, recipe.left, recipe.pad_value) == ("mask", left, pad_value)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        sizes = {v.name: 6 if v.name == "batch" else 9 for v in shapes.variables}
+        mask = build_leaves(shapes, sizes, generator)[leaf]
+        assert mask.shape == (6, 9) and mask.dtype == recorded.dtype
+        real = (mask != pad_value).long()
+        assert bool((real.sum(1) >= 1).all())  # at least one real token per row
+        runs = real.diff(dim=1).abs().sum(1)  # one boundary at most: padding on one side
+        assert bool((runs <= 1).all())
+        first_real = real[:, 0] if not left else real[:, -1]
+        assert bool((first_real == 1).all())
+
+
+class MaskUser(torch.nn.Module):
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                src_key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = attention_mask if attention_mask is not None else ~src_key_padding_mask
+        return x * mask.unsqueeze(-1).to(x.dtype)

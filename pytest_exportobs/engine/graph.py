@@ -209,8 +209,8 @@ class GraphCheck:
         if padded:
             self.result.notes.append(
                 f"calls {[self.context.ids[self.plan.calls[d.index]] for d in padded]}: {sum(d.n_padded for d in padded)} values beyond "
-                f"tolerance only in cache entries at padded positions (max |Δ| {max(d.padded_max_abs for d in padded):.3g}), "
-                "which attention never reads: tolerated"
+                f"tolerance only at padded positions (max |Δ| {max(d.padded_max_abs for d in padded):.3g}): cache "
+                "entries attention never reads, rows of padded queries no consumer reads: tolerated"
             )
 
     def _reference_problem(self, call: int) -> str:

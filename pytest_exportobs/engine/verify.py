@@ -45,9 +45,9 @@ class Discrepancy:
 
     ``kind`` is empty when within tolerance, ``mismatch`` for values beyond tolerance,
     ``outputs`` when the output count, shape or dtype differs, ``error`` when the run raised.
-    ``worst`` names the output holding the largest difference beyond tolerance.  Differences in
-    cache entries at positions the attention mask zeroes (attention never reads them) are counted
-    in ``n_padded`` and ``padded_max_abs``, not as a mismatch.
+    ``worst`` names the output holding the largest difference beyond tolerance.  Differences at
+    positions the attention mask zeroes (cache entries attention never reads, rows of padded
+    queries) are counted in ``n_padded`` and ``padded_max_abs``, not as a mismatch.
     """
 
     index: int
@@ -90,7 +90,7 @@ def compare(
         name = names[position] if position < len(names) else f"output {position}"
         if tuple(got.shape) != tuple(ref.shape):
             return _outputs_differ(result, f"{name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
-        _accumulate(result, got, ref, tolerance, name, _padded_cache_positions(ref, padding))
+        _accumulate(result, got, ref, tolerance, name, _unread_positions(ref, padding))
     result.ok = result.n_beyond == 0
     result.kind = "" if result.ok else "mismatch"
     if result.n_beyond:
@@ -98,14 +98,20 @@ def compare(
     return result
 
 
-def _padded_cache_positions(ref: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor | None:
-    """Where a cache-like output ``(batch, heads, length, head_dim)`` holds padded positions of
-    ``padding`` ``(batch, length)`` (``None`` when the output is no such cache)."""
-    if padding is None or padding.dim() != 2 or ref.dim() != 4 or ref.shape[0] != padding.shape[0]:
+def _unread_positions(ref: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor | None:
+    """Where an output holds values no consumer reads, given the call's mask ``padding``
+    ``(batch, length)``: cache entries ``(batch, heads, length, head_dim)`` at padded positions
+    (attention never reads them), and rows ``(batch, length, ...)`` of padded queries (with left
+    padding under causal attention such a query attends to nothing: its values are arbitrary in
+    eager and ONNX alike).  ``None`` when the output has no such layout."""
+    if padding is None or padding.dim() != 2 or ref.dim() < 3 or ref.shape[0] != padding.shape[0]:
         return None
-    if ref.shape[2] != padding.shape[1]:
-        return None
-    return (padding == 0)[:, None, :, None].expand(ref.shape)
+    padded = padding == 0
+    if ref.dim() == 4 and ref.shape[2] == padding.shape[1]:
+        return padded[:, None, :, None].expand(ref.shape)
+    if ref.shape[1] == padding.shape[1]:
+        return padded.reshape(*padded.shape, *[1] * (ref.dim() - 2)).expand(ref.shape)
+    return None
 
 
 def _outputs_differ(result: Discrepancy, detail: str) -> Discrepancy:

@@ -19,13 +19,17 @@ from .model import ShapeModel
 
 @dataclass(frozen=True)
 class Recipe:
-    """How to fill one leaf: ``kind`` is float, int, ones, mask, arange or keep (not a tensor)."""
+    """How to fill one leaf: ``kind`` is float, int, ones, mask, arange or keep (not a tensor).
+    A mask's ``pad_value`` marks padding (0, or 1 for a ``key_padding_mask``), on the ``left``
+    when the recorded masks were padded there."""
 
     kind: str
     dtype: torch.dtype | None = None
     low: int = 0
     high: int = 0
     offset_var: str | None = None
+    pad_value: int = 0
+    left: bool = False
 
 
 def free_variables(shapes: ShapeModel) -> list[str]:
@@ -35,10 +39,17 @@ def free_variables(shapes: ShapeModel) -> list[str]:
 
 
 def complete_sizes(shapes: ShapeModel, free: dict[str, int]) -> dict[str, int]:
-    """Sizes of every variable from the free ones (derived = sum of terms + constant)."""
+    """Sizes of every variable from the free ones, each derived one from its expression
+    (``height = 2*height_half``, ``total_seq = past_seq + seq``), relations on derived ones included."""
     sizes = dict(free)
-    for relation in shapes.relations:
-        sizes[relation.derived] = sum(sizes[t] for t in relation.terms) + relation.constant
+    pending = list(shapes.relations)
+    while pending:
+        ready = [r for r in pending if all(t in sizes for t in r.terms)]
+        if not ready:
+            raise ValueError(f"relations without free terms: {', '.join(map(str, pending))}")
+        for relation in ready:
+            sizes[relation.derived] = relation.size(sizes)
+            pending.remove(relation)
     return sizes
 
 
@@ -96,13 +107,25 @@ def _fill(recipe: Recipe, shape: list[int], sizes: dict[str, int], generator: to
     if recipe.kind == "ones":
         return torch.ones(shape, dtype=recipe.dtype)
     if recipe.kind == "mask":
-        mask = torch.randint(0, 2, shape, generator=generator)
-        if mask.ndim:
-            mask[..., -1] = 1  # never a fully masked row
-        return mask.to(recipe.dtype)
+        return _padding_mask(recipe, shape, generator)
     offset = sizes[recipe.offset_var] if recipe.offset_var else recipe.low
     length = shape[-1] if shape else 1
     return (torch.arange(length) + offset).expand(shape).to(recipe.dtype).clone()
+
+
+def _padding_mask(recipe: Recipe, shape: list[int], generator: torch.Generator) -> torch.Tensor:
+    """A mask as a tokenizer pads a batch: each row a run of real tokens (at least one) and
+    padding on one side; masks of another rank are random with a real last position."""
+    if len(shape) != 2:
+        real = torch.randint(0, 2, shape, generator=generator).bool()
+        if real.ndim:
+            real[..., -1] = True
+    else:
+        length = shape[1]
+        tokens = torch.randint(1, length + 1, (shape[0], 1), generator=generator) if length else torch.zeros(shape[0], 1)
+        positions = torch.arange(length)
+        real = positions >= length - tokens if recipe.left else positions < tokens
+    return (real if recipe.pad_value == 0 else ~real).to(recipe.dtype)
 
 
 def _recipe(shapes: ShapeModel, leaf: int) -> Recipe:
@@ -119,7 +142,7 @@ def _recipe(shapes: ShapeModel, leaf: int) -> Recipe:
     low = min(int(t.min()) for t in values)
     high = max(int(t.max()) for t in values)
     if dtype == torch.bool or (low >= 0 and high <= 1):
-        return Recipe("ones" if low == 1 else "mask", dtype)
+        return _mask_recipe(shapes.aligned.leaf_names[leaf], [t for _, t in tensors], dtype)
     offsets = [_arange_offset(t) for _, t in tensors]
     if all(o is not None for o in offsets):
         # Rows of length 1 (decode steps) are arange-like only when they follow a variable.
@@ -127,6 +150,16 @@ def _recipe(shapes: ShapeModel, leaf: int) -> Recipe:
         if var is not None or any(t.shape[-1] > 1 for _, t in tensors):
             return Recipe("arange", dtype, low=offsets[0] if var is None else 0, offset_var=var)
     return Recipe("int", dtype, low, high)
+
+
+def _mask_recipe(name: str, masks: list[torch.Tensor], dtype: torch.dtype) -> Recipe:
+    """``ones`` for masks that were never padded, else a tokenizer-like ``mask`` recipe."""
+    pad_value = 1 if "padding_mask" in name else 0  # torch's key_padding_mask: True is padding
+    padded = [(m.reshape(-1, m.shape[-1]) == pad_value) for m in masks if m.ndim and m.numel()]
+    if not any(bool(p.any()) for p in padded):  # never padded: no padding either
+        return Recipe("ones", dtype) if pad_value == 0 else Recipe("int", dtype, 0, 0)
+    left = any(bool((p[:, 0] & ~p[:, -1]).any()) for p in padded)
+    return Recipe("mask", dtype, pad_value=pad_value, left=left)
 
 
 def _arange_offset(t: torch.Tensor) -> int | None:
