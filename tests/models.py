@@ -41,6 +41,23 @@ class Branchy(torch.nn.Module):
         return -self.linear(x)
 
 
+class FromConfig(torch.nn.Module):
+    """Built as diffusers builds models (``from_config`` of a mapping kept as ``config``), with
+    Branchy's data-dependent branch."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.config = {"width": width}
+        self.linear = torch.nn.Linear(width, width)
+
+    @classmethod
+    def from_config(cls, config: dict) -> FromConfig:
+        return cls(**config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) if x.sum() > 0 else -self.linear(x)
+
+
 class ConvNet(torch.nn.Module):
     """Images of any size: ``(batch, 3, height, width) -> (batch, 5)``."""
 

@@ -75,6 +75,22 @@ def test_torch_export_failure_reproduces_with_the_same_exception(mymodels, tmp_p
     assert outcome.error_type in completed.stderr
 
 
+def test_a_model_built_from_a_config_mapping_is_rebuilt_with_from_config(mymodels, tmp_path):
+    model = mymodels.FromConfig(width=6).eval()
+    shapes = observed_shapes(model, [{"x": torch.randn(2, 6)}, {"x": torch.randn(3, 6)}])
+    outcome = export_model(model, shapes, "onnx", tmp_path / "model.onnx")
+
+    repro = write_repro(tmp_path / "repro", model, shapes, first_call(shapes), stage="torch.export",
+                        target="onnx", method="forward", atol=None, rtol=None)
+
+    assert (repro.runnable, repro.note) == (True, "")
+    assert (tmp_path / "repro" / "config.json").read_text() == '{\n "width": 6\n}'
+    assert 'return FromConfig.from_config(json.loads((HERE / "config.json").read_text()))' in Path(repro.path).read_text()
+    completed = run(repro, tmp_path)
+    assert completed.returncode == 1
+    assert outcome.error_type in completed.stderr
+
+
 def test_verify_beyond_tolerance_exits_1_with_the_max_diff(mymodels, tmp_path):
     torch.manual_seed(0)
     model = mymodels.Scorer().eval()
@@ -176,7 +192,7 @@ def test_llama_with_dynamic_cache_is_rebuilt_from_its_config(tmp_path):
     assert (repro.runnable, repro.note) == (True, "")
     assert "from transformers import LlamaConfig, LlamaForCausalLM" in script
     assert "'past_key_values': [{0: 'batch', 2: 'past_seq'}," in script
-    assert "with register_flattening_functions(), torch.no_grad():" in script
+    assert "with export_patches(), register_flattening_functions(), torch.no_grad():" in script
     assert (tmp_path / "repro" / "config.json").exists()
     completed = run(repro, tmp_path)
     assert completed.returncode == 1, completed.stderr

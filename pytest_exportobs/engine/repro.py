@@ -9,9 +9,11 @@ reruns the stage and exits with 1 when the failure reproduces.
 from __future__ import annotations
 
 import functools
+import json
 import inspect
 import pprint
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ class _Builder:
     imports: list[str] = field(default_factory=list)
     body: str = ""
     why_not: str = ""
-    config: Any = None  # transformers configuration saved as config.json
+    config: str | None = None  # the configuration (transformers, diffusers), saved as config.json
 
 
 _SCRIPT = '''\
@@ -150,7 +152,7 @@ def write_repro(
     torch.save(saved, directory / "inputs.pt")
     torch.save(module.state_dict(), directory / "weights.pt")
     if builder.config is not None:
-        (directory / "config.json").write_text(builder.config.to_json_string(use_diff=False))
+        (directory / "config.json").write_text(builder.config)
     path = directory / "repro.py"
     path.write_text(_script(module, shapes, leaves, builder, transformers, stage, target, method, atol, rtol))
     note = (
@@ -178,7 +180,7 @@ def _script(
         dynamic_shapes=_literal(shapes.to_axis_names(), indent=len("DYNAMIC_SHAPES = ")),
         constants="\n".join(constants), build=builder.body, functions="\n".join(_FUNCTIONS[flow]),
         method="" if method == "forward" else f"    model.forward = model.{method}  # the observed method\n",
-        context="register_flattening_functions(), " if transformers else "",
+        context="export_patches(), register_flattening_functions(), " if transformers else "export_patches(), ",
     )
 
 
@@ -187,18 +189,24 @@ def _imports(flow: str, builder: _Builder, transformers: bool) -> str:
     standard = ["import json"] * (builder.config is not None) + ["import pathlib", "import sys"]
     third_party = ["import onnx", "import onnxruntime"] * (flow == "onnx") + [
         "import torch", "from torch.utils import _pytree"]
-    ours = ["from pytest_exportobs import register_flattening_functions"] * transformers + [
+    ours = [f"from pytest_exportobs import export_patches{', register_flattening_functions' * transformers}"] + [
         "from pytest_exportobs.engine.verify import Tolerance, compare"] * (flow != "torch.export")
     return "\n\n".join("\n".join(group) for group in (standard, third_party, builder.imports, ours) if group)
 
 
 def _builder(module: torch.nn.Module) -> _Builder:
-    """Rebuild from the configuration (transformers), else with ``cls()``, else ask the user."""
+    """Rebuild from the configuration (transformers: ``cls(Config.from_dict(...))``, diffusers:
+    ``cls.from_config(...)``), else with ``cls()``, else ask the user."""
     cls = type(module)
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "to_json_string") and hasattr(type(config), "from_dict"):
         why_not = _not_importable(cls) or _not_importable(type(config))
         return _manual_builder(cls, why_not) if why_not else _config_builder(cls, config)
+    if isinstance(config, Mapping) and callable(getattr(cls, "from_config", None)):
+        why_not = _not_importable(cls) or _not_json(config)
+        body = f'    return {cls.__qualname__}.from_config(json.loads((HERE / "config.json").read_text()))'
+        return _manual_builder(cls, why_not) if why_not else _Builder(
+            _import_lines(cls), body, config=json.dumps(dict(config), indent=1))
     why_not = _not_importable(cls) or _constructor_problem(cls, module)
     return _manual_builder(cls, why_not) if why_not else _Builder(_import_lines(cls), f"    return {cls.__qualname__}()")
 
@@ -211,7 +219,7 @@ def _config_builder(cls: type, config: Any) -> _Builder:
         f'    config = {type(config).__qualname__}.from_dict(json.loads((HERE / "config.json").read_text()){options})\n'
         f"    return {cls.__qualname__}(config)"
     )
-    return _Builder(_import_lines(type(config), cls), body, config=config)
+    return _Builder(_import_lines(type(config), cls), body, config=config.to_json_string(use_diff=False))
 
 
 def _manual_builder(cls: type, why_not: str) -> _Builder:
@@ -221,6 +229,14 @@ def _manual_builder(cls: type, why_not: str) -> _Builder:
         '    raise NotImplementedError("build the model in build_model() of repro.py")'
     )
     return _Builder(body=body, why_not=why_not)
+
+
+def _not_json(config: Mapping[str, Any]) -> str:
+    try:
+        json.dumps(dict(config))
+    except (TypeError, ValueError) as e:
+        return f"its config is not JSON: {e}"
+    return ""
 
 
 def _not_importable(cls: type) -> str:
