@@ -446,3 +446,38 @@ def test_rows_of_padded_queries_are_compared_as_attention_reads_them() -> None:
     classifier = torch.randn(2, 5)  # (batch, labels): no rows of queries, even when labels == length
     found = compare([classifier + 0.7], [classifier], Tolerance(), padding=mask)
     assert (found.ok, found.n_beyond) == (False, 10)
+
+
+def test_a_model_resized_after_its_calls_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    model = MaskedPool().eval()
+    group = observed(model, (torch.randint(0, 50, (2, 7)),))
+    model.embed = torch.nn.Embedding(20, 8)  # as resize_token_embeddings does: the recorded ids no longer fit
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.stage) == ("skipped", "observe")
+    assert result.reason.startswith("the model's parameters changed shape after its calls")
+
+
+class Window(torch.nn.Module):
+    """Rejects sequences longer than its ``max_len``, an attribute (neither a parameter nor a config)."""
+
+    def __init__(self, max_len: int) -> None:
+        super().__init__()
+        self.max_len, self.linear = max_len, torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > self.max_len:
+            raise ValueError(f"sequence of {x.shape[1]} beyond max_len={self.max_len}")
+        return self.linear(x)
+
+
+def test_a_call_the_exported_instance_cannot_run_is_unverified_not_internal(tmp_path: Path) -> None:
+    store = SessionStore()
+    first, other = Window(max_len=6).eval(), Window(max_len=8).eval()
+    with store.observe(first, "window", ObserveOptions(), "t::a") as group:
+        first(torch.randn(2, 5, 4))
+    with store.observe(other, "window", ObserveOptions(), "t::b"):
+        other(torch.randn(2, 7, 4))  # recomputed on the exported instance, which rejects it
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind) == ("failed", "verify", "unverified"), result.reason
+    assert result.reason == ("call 1 from t::b was made on another instance or before the model changed, and the "
+                             "exported instance cannot run it: ValueError: sequence of 7 beyond max_len=6")

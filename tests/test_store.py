@@ -115,3 +115,19 @@ def test_a_decoding_loop_at_two_batch_sizes_in_one_test_keeps_each_new_size_patt
     # the first three calls; then the prefill and the decode step whose batch is new to them
     assert stored == [((2, 5), False), ((2, 1), True), ((2, 1), True), ((3, 5), False), ((3, 1), True)]
     assert group.recorder.counts == CallCounts(stored=5, dropped=1)
+
+
+def test_models_of_one_class_and_shapes_but_another_config_are_two_groups() -> None:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def bert(problem_type: str) -> torch.nn.Module:
+        config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=20, num_labels=3, problem_type=problem_type)
+        return BertForSequenceClassification(config).eval()
+
+    single, multi, single_again = bert("single_label_classification"), bert("multi_label_classification"), \
+        bert("single_label_classification")
+    store = SessionStore()
+    groups = [store.group_for(m, "BertForSequenceClassification", ObserveOptions()) for m in (single, multi, single_again)]
+    assert groups[0] is groups[2] is not groups[1]
+    assert sorted(store.groups) == sorted(f"BertForSequenceClassification[{identity(m)}]" for m in (single, multi))

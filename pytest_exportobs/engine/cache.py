@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
+from ..core.configuration import configuration_text
 from ..core.versions import package_versions
 from ..shapes.model import ShapeModel
 
@@ -50,7 +51,7 @@ class ExportCache:
         digest = hashlib.sha256()
         classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules()})
         constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
-        digest.update(json.dumps([classes, method, shapes.aligned.leaf_names, constants, _configuration(module)]).encode())
+        digest.update(json.dumps([classes, method, shapes.aligned.leaf_names, constants, configuration_text(module)]).encode())
         for source in _source_files(module):
             digest.update(source.encode())
         for name, tensor in (*module.named_parameters(), *module.named_buffers()):
@@ -89,16 +90,6 @@ class ExportCache:
         with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False, suffix=".tmp") as f:
             json.dump(meta, f)
         os.replace(f.name, self.directory / f"{key}.json")
-
-
-def _configuration(module: torch.nn.Module) -> str:
-    """The model's configuration (transformers, diffusers: ``config``), which changes the traced code."""
-    config = getattr(module, "config", None)
-    to_json = getattr(config, "to_json_string", None)
-    try:
-        return to_json() if callable(to_json) else repr(config)
-    except (TypeError, ValueError):
-        return repr(config)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

@@ -25,13 +25,13 @@ from ..core.text import error_line
 from ..core.trees import flattening_context
 from ..core.versions import package_versions
 from ..observe.binding import UnsupportedInput
-from ..observe.store import ModelGroup
+from ..observe.store import ModelGroup, parameter_shapes
 from ..shapes.inference import DimPolicy
 from ..shapes.model import ShapeModel
 from . import patches
 from .graph import GraphCheck, ModelContext
 from .graphs import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
-from .references import references
+from .references import ReferenceFailed, references
 from .environment import EnvironmentProblem
 from .result import ENVIRONMENT, FAILED, PASSED, SKIPPED, GraphResult, ModelResult
 from .settings import CheckSettings
@@ -53,6 +53,11 @@ def check_model(group: ModelGroup, settings: CheckSettings, progress: Progress =
     )
     if not recorder.num_obs():
         _unobserved(result, recorder)
+        return result
+    if group.parameters and parameter_shapes(group.module) != group.parameters:
+        result.verdict, result.stage = SKIPPED, "observe"
+        result.reason = ("the model's parameters changed shape after its calls (resize_token_embeddings?): "
+                         "the calls recorded no longer fit the instance, nothing to check")
         return result
     try:
         _ModelCheck(group, settings, result, progress).run()
@@ -147,7 +152,10 @@ class _ModelCheck:
         return joint
 
     def _references(self, observations: list[Any]) -> Any:
-        found = self._quiet(lambda: references(self.group, observations))
+        try:
+            found = self._quiet(lambda: references(self.group, observations))
+        except ReferenceFailed as e:  # the model's own call raised
+            raise ModelProblem("verify", "unverified", str(e)) from e
         self.result.reference = found.origin
         if not any(isinstance(t, torch.Tensor) for outputs in found.outputs for t in outputs):
             raise ModelProblem(

@@ -30,14 +30,24 @@ class References:
     origin: str
 
 
+class ReferenceFailed(Exception):
+    """The exported instance cannot run a call recorded on another instance or before a change."""
+
+
 def references(group: ModelGroup, observations: list[Observation]) -> References:
-    """Recorded outputs where they are valid references, eager recomputed elsewhere."""
+    """Recorded outputs where they are valid references, eager recomputed elsewhere (raises
+    :class:`ReferenceFailed` when the exported instance cannot run such a call)."""
     outputs, recomputed, training = [], 0, 0
-    for obs in observations:
+    for index, obs in enumerate(observations):
         if group.is_reference_valid(obs.instance, obs.weights_version) and not obs.training:
             outputs.append(obs.outputs)
             continue
-        outputs.append(eager(group, obs))
+        try:
+            outputs.append(eager(group, obs))
+        except Exception as e:  # the model's own code, on a call made on another instance
+            raise ReferenceFailed(
+                f"call {index} from {obs.source or 'a recorded call'} was made on another instance or before "
+                f"the model changed, and the exported instance cannot run it: {type(e).__name__}: {e}") from e
         recomputed += 1
         training += obs.training
     if not recomputed:

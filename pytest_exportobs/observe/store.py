@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..core.configuration import configuration_text
 from .recorder import CallRecorder, weights_version
 
 
@@ -86,6 +87,7 @@ class ModelGroup:
     explicit: bool
     recorder: CallRecorder = field(default_factory=CallRecorder)
     sources: list[str] = field(default_factory=list)
+    parameters: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # when first observed
 
     @property
     def model_class(self) -> str:
@@ -98,10 +100,15 @@ class ModelGroup:
 
 
 def identity(module: torch.nn.Module) -> str:
-    """``ClassName-<6 hex digits>`` of the class and parameter shapes."""
-    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
-    digest = hashlib.sha1(repr((type(module).__qualname__, shapes)).encode()).hexdigest()[:6]
-    return f"{type(module).__name__}-{digest}"
+    """``ClassName-<6 hex digits>`` of the class, the parameter shapes and dtypes, and the
+    configuration (a transformers model of another ``problem_type`` is another model)."""
+    key = (type(module).__qualname__, parameter_shapes(module), configuration_text(module))
+    return f"{type(module).__name__}-{hashlib.sha1(repr(key).encode()).hexdigest()[:6]}"
+
+
+def parameter_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """Name, shape and dtype of every parameter."""
+    return [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
 
 
 class SessionStore:
@@ -135,7 +142,8 @@ class SessionStore:
         name = f"{base}[{ident}]" if members else base
         members[ident] = name
         self.groups[name] = ModelGroup(name, ident, module, options, explicit,
-                                       CallRecorder(options.value_if_missing, capacity=MAX_OBSERVATIONS))
+                                       CallRecorder(options.value_if_missing, capacity=MAX_OBSERVATIONS),
+                                       parameters=parameter_shapes(module))
         return self.groups[name]
 
     def _rename(self, base: str, ident: str, new_name: str) -> None:
