@@ -481,3 +481,22 @@ def test_a_call_the_exported_instance_cannot_run_is_unverified_not_internal(tmp_
     assert (result.verdict, result.stage, result.kind) == ("failed", "verify", "unverified"), result.reason
     assert result.reason == ("call 1 from t::b was made on another instance or before the model changed, and the "
                              "exported instance cannot run it: ValueError: sequence of 7 beyond max_len=6")
+
+
+class Tagger(torch.nn.Module):
+    """A frame tagger over sequences of any length: an LSTM."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.lstm, self.head = torch.nn.LSTM(8, hidden, batch_first=True), torch.nn.Linear(hidden, 3)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(frames)[0])
+
+
+def test_two_lstm_models_in_one_process_both_keep_their_sequence_dynamic(tmp_path: Path) -> None:
+    for hidden in (16, 24):  # torch 2.13 specialized the second one's sequence (dispatch cache left behind)
+        group = observed(Tagger(hidden).eval(), (torch.randn(2, 32, 8),), (torch.randn(3, 20, 8),))
+        result = check_model(group, settings(tmp_path))
+        assert result.verdict == "passed", result.reason
+        assert result.dims == {"frames": {"0": "batch", "1": "seq"}}

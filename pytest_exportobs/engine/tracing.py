@@ -145,7 +145,22 @@ def capturing() -> Iterator[None]:
         for name in ("register_gru_while_loop_decomposition", "register_lstm_while_loop_decomposition"):
             if hasattr(_patches, name):
                 stack.enter_context(getattr(_patches, name)())
+        stack.enter_context(_fresh_dispatch(torch.ops.aten.lstm.input, torch.ops.aten.gru.input))
         yield
+
+
+@contextlib.contextmanager
+def _fresh_dispatch(*ops: Any) -> Iterator[None]:
+    """Clear the ops' dispatch caches on entry and exit: torch's RNN registrations replace the ops'
+    Python kernels without clearing them, so a second export in a process used the kernel the
+    first left cached (the second LSTM model's sequence specialized, whichever model came second)."""
+    for op in ops:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op in ops:
+            op._dispatch_cache.clear()
 
 
 def _check_bound(
