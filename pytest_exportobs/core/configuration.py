@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+# configuration entries that change which calls a model accepts: a model with another of these is
+# another model (its recorded calls may not run on the first); the rest (epsilons, dropout, output
+# flags, paths) leave the calls valid, and the exported instance's own config decides its graph
+CONTRACT_KEYS = ("problem_type", "is_decoder", "add_cross_attention", "is_encoder_decoder")
 
 
 def configuration_text(module: Any) -> str:
@@ -15,3 +21,12 @@ def configuration_text(module: Any) -> str:
         return to_json(use_diff=False) if callable(to_json) else repr(config)
     except (TypeError, ValueError):
         return repr(config)
+
+
+def contract(module: Any) -> str:
+    """The :data:`CONTRACT_KEYS` entries of the model's configuration, as JSON ('' without a config)."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return ""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    return json.dumps({key: repr(get(key)) for key in CONTRACT_KEYS})

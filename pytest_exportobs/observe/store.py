@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..core.configuration import configuration_text
+from ..core.configuration import contract
 from .recorder import CallRecorder, weights_version
 
 
@@ -101,8 +101,9 @@ class ModelGroup:
 
 def identity(module: torch.nn.Module) -> str:
     """``ClassName-<6 hex digits>`` of the class, the parameter shapes and dtypes, and the
-    configuration (a transformers model of another ``problem_type`` is another model)."""
-    key = (type(module).__qualname__, parameter_shapes(module), configuration_text(module))
+    configuration entries that decide which calls it accepts (a transformers model of another
+    ``problem_type`` is another model)."""
+    key = (type(module).__qualname__, parameter_shapes(module), *filter(None, [contract(module)]))
     return f"{type(module).__name__}-{hashlib.sha1(repr(key).encode()).hexdigest()[:6]}"
 
 
