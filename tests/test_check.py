@@ -500,3 +500,32 @@ def test_two_lstm_models_in_one_process_both_keep_their_sequence_dynamic(tmp_pat
         result = check_model(group, settings(tmp_path))
         assert result.verdict == "passed", result.reason
         assert result.dims == {"frames": {"0": "batch", "1": "seq"}}
+
+
+class PatchEmbeddings(torch.nn.Module):
+    """As DINOv2 does: at the config's image size the position table is used as is, at any other
+    size it is interpolated (the 32x32 call alone makes torch pin height and width to 32)."""
+
+    def __init__(self, image_size: int = 32, patch: int = 8) -> None:
+        super().__init__()
+        self.image_size, self.patch = image_size, patch
+        self.proj = torch.nn.Conv2d(3, 16, patch, stride=patch)
+        self.positions = torch.nn.Parameter(torch.randn(1, 16, image_size // patch, image_size // patch))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        patches = self.proj(pixel_values)
+        height, width = pixel_values.shape[-2:]
+        if height == self.image_size and width == self.image_size:
+            positions = self.positions
+        else:
+            positions = torch.nn.functional.interpolate(self.positions, size=patches.shape[-2:], mode="bicubic")
+        return (patches + positions).flatten(2).transpose(1, 2)
+
+
+def test_a_dim_pinned_at_a_size_the_model_treats_specially_is_traced_again_elsewhere(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    group = observed(PatchEmbeddings().eval(), (torch.randn(2, 3, 32, 32),), (torch.randn(2, 3, 48, 48),))
+    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=4))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"pixel_values": {"0": "batch", "2": "height", "3": "width"}}
+    assert any(note.startswith("traced on call 1: on the first example torch pinned height") for note in result.notes)

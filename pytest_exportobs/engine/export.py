@@ -33,6 +33,7 @@ from .environment import EnvironmentProblem, writing
 from .reasons import one_line_reason
 from .tracing import Accepts, Example, Specialized, trace
 
+MAX_RETRACES = 2  # recorded calls of other sizes traced when torch pins a dim at the example's size
 
 @dataclass
 class ExportOutcome:
@@ -113,7 +114,7 @@ def export_model(
             return outcome
     try:
         with stages.run("torch.export"):
-            program, outcome.dims_form = trace(exported, shapes, outcome.example, not outcome.bound, outcome.notes, accepts)
+            program, outcome.dims_form = _trace(exported, shapes, outcome, accepts)
         outcome.program = program
         outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
         names = _refine(shapes, program_shapes(program), outcome)
@@ -130,6 +131,37 @@ def export_model(
     except StageFailed:
         pass
     return outcome
+
+
+def _trace(module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, accepts: Accepts) -> tuple[Any, str]:
+    """:func:`~.tracing.trace` on the example; when torch pins a dim at the size the example
+    happens to have (a size the model treats specially: DINOv2 skips its position interpolation
+    at the config's image size), traced again on recorded calls of other sizes before failing."""
+    try:
+        return trace(module, shapes, outcome.example, not outcome.bound, outcome.notes, accepts)
+    except Specialized as pinned:
+        for index in _other_sizes(shapes, outcome.example, pinned.name)[:MAX_RETRACES]:
+            leaves = shapes.call_leaves(index)
+            example = Example(leaves, *shapes.aligned.split_arguments(leaves, constants=not outcome.bound))
+            try:
+                found = trace(module, shapes, example, not outcome.bound, outcome.notes, accepts)
+            except Specialized:
+                continue
+            outcome.example = example
+            outcome.notes.append(f"traced on call {index}: on the first example torch pinned {pinned}")
+            return found
+        raise
+
+
+def _other_sizes(shapes: ShapeModel, example: Example, name: str) -> list[int]:
+    """Recorded calls fit to trace (every input present, dynamic sizes >= 2) in which variable
+    ``name`` has another size than in the example."""
+    var = next((v for v in shapes.variables if v.name == name), None)
+    if var is None:
+        return []
+    traced = {example.leaves[leaf].shape[dim] for leaf, dim in var.axes if isinstance(example.leaves[leaf], torch.Tensor)}
+    return [i for i in range(shapes.aligned.n_calls) if None not in shapes.aligned.calls[i]
+            and not shapes.small_variables(i) and var.values[i] not in traced]
 
 
 def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> Example:

@@ -39,6 +39,7 @@ class Specialized(Exception):
         axes = ", ".join(f"{shapes.aligned.leaf_names[leaf]}.{dim}" for leaf, dim in var.axes)
         where = f" at {location}" if location else ""
         super().__init__(f"{name} ({axes}, {_why(var.source)}) {what} by torch.export{where}")
+        self.name = name
 
 
 @dataclass
