@@ -529,3 +529,14 @@ def test_a_dim_pinned_at_a_size_the_model_treats_specially_is_traced_again_elsew
     assert result.verdict == "passed", result.reason
     assert result.dims == {"pixel_values": {"0": "batch", "2": "height", "3": "width"}}
     assert any(note.startswith("traced on call 1: on the first example torch pinned height") for note in result.notes)
+
+
+def test_a_dim_pinned_at_the_only_size_tested_is_traced_again_on_synthesized_inputs(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    group = observed(PatchEmbeddings().eval(), (torch.randn(2, 3, 32, 32),), (torch.randn(3, 3, 32, 32),),
+                     dynamic=("pixel_values:2", "pixel_values:3"))  # the user declares the sides dynamic
+    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=4))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"pixel_values": {"0": "batch", "2": "height", "3": "width"}}
+    assert any(note.startswith("traced on inputs synthesized at height=48: on the first example torch pinned height")
+               for note in result.notes), result.notes

@@ -25,7 +25,7 @@ import torch
 from ..core.text import error_line
 from ..core.trees import detached_clone, spec_paths
 from ..shapes.model import ShapeModel
-from ..shapes.synthesis import example_leaves
+from ..shapes.synthesis import build_leaves, complete_sizes, example_leaves, export_sizes, free_variables
 from .bound import bind_constants
 from .cache import CacheEntry, ExportCache
 from .domain import Shape, apply_refinements, deferred_asserts, onnx_shapes, program_shapes, read_dims, refinements
@@ -136,32 +136,48 @@ def export_model(
 def _trace(module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, accepts: Accepts) -> tuple[Any, str]:
     """:func:`~.tracing.trace` on the example; when torch pins a dim at the size the example
     happens to have (a size the model treats specially: DINOv2 skips its position interpolation
-    at the config's image size), traced again on recorded calls of other sizes before failing."""
+    at the config's image size), traced again on recorded calls of other sizes, then on inputs
+    synthesized at another size, before failing."""
     try:
         return trace(module, shapes, outcome.example, not outcome.bound, outcome.notes, accepts)
     except Specialized as pinned:
-        for index in _other_sizes(shapes, outcome.example, pinned.name)[:MAX_RETRACES]:
-            leaves = shapes.call_leaves(index)
+        for what, leaves in _other_examples(module, shapes, outcome, pinned.name):
             example = Example(leaves, *shapes.aligned.split_arguments(leaves, constants=not outcome.bound))
             try:
                 found = trace(module, shapes, example, not outcome.bound, outcome.notes, accepts)
             except Specialized:
                 continue
             outcome.example = example
-            outcome.notes.append(f"traced on call {index}: on the first example torch pinned {pinned}")
+            outcome.notes.append(f"traced on {what}: on the first example torch pinned {pinned}")
             return found
         raise
 
 
-def _other_sizes(shapes: ShapeModel, example: Example, name: str) -> list[int]:
-    """Recorded calls fit to trace (every input present, dynamic sizes >= 2) in which variable
-    ``name`` has another size than in the example."""
+def _other_examples(
+    module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, name: str
+) -> Iterator[tuple[str, list[Any]]]:
+    """Examples where variable ``name`` has another size than in the traced one: recorded calls
+    fit to trace (every input present, dynamic sizes >= 2), then inputs synthesized at a size
+    one step of its largest power-of-two divisor above (32 -> 48), when eager runs them."""
     var = next((v for v in shapes.variables if v.name == name), None)
     if var is None:
-        return []
-    traced = {example.leaves[leaf].shape[dim] for leaf, dim in var.axes if isinstance(example.leaves[leaf], torch.Tensor)}
-    return [i for i in range(shapes.aligned.n_calls) if None not in shapes.aligned.calls[i]
-            and not shapes.small_variables(i) and var.values[i] not in traced]
+        return
+    example = outcome.example
+    traced = max(example.leaves[leaf].shape[dim] for leaf, dim in var.axes if isinstance(example.leaves[leaf], torch.Tensor))
+    calls = [i for i in range(shapes.aligned.n_calls) if None not in shapes.aligned.calls[i]
+             and not shapes.small_variables(i) and var.values[i] != traced]
+    for index in calls[:MAX_RETRACES]:
+        yield f"call {index}", shapes.call_leaves(index)
+    if name in free_variables(shapes):
+        sizes = {**export_sizes(shapes), name: traced + min(16, traced & -traced)}
+        leaves = build_leaves(shapes, complete_sizes(shapes, sizes), torch.Generator().manual_seed(0))
+        args, kwargs = detached_clone(shapes.aligned.split_arguments(leaves, constants=not outcome.bound))
+        try:
+            with torch.no_grad():
+                module(*args, **kwargs)
+        except Exception:  # the model's own call: it does not run at that size
+            return
+        yield f"inputs synthesized at {name}={sizes[name]}", leaves
 
 
 def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> Example:
