@@ -540,3 +540,27 @@ def test_a_dim_pinned_at_the_only_size_tested_is_traced_again_on_synthesized_inp
     assert result.dims == {"pixel_values": {"0": "batch", "2": "height", "3": "width"}}
     assert any(note.startswith("traced on inputs synthesized at height=48: on the first example torch pinned height")
                for note in result.notes), result.notes
+
+
+class SpanLoss(torch.nn.Module):
+    """BERT's question-answering loss: ``ignore_index`` is the sequence length, a symbolic size in
+    the export, which torchlib's translation of ``cross_entropy_loss`` cannot take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qa = torch.nn.Linear(8, 2)
+
+    def forward(self, hidden: torch.Tensor, start_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, _ = self.qa(hidden).unbind(-1)
+        ignored = start.size(1)
+        loss = torch.nn.functional.cross_entropy(start, start_positions.clamp(0, ignored), ignore_index=ignored)
+        return loss, start
+
+
+def test_an_op_whose_translation_fails_is_decomposed_and_translated_again(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    calls = [(torch.randn(3, 7, 8), torch.tensor([1, 7, 3])), (torch.randn(2, 5, 8), torch.tensor([4, 0]))]
+    result = check_model(observed(SpanLoss().eval(), *calls), CheckSettings(export_dir=tmp_path, examples=4))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"hidden": {"0": "batch", "1": "seq"}, "start_positions": {"0": "batch"}}
+    assert any(n.startswith("translated after decomposing aten.cross_entropy_loss.default") for n in result.notes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import re
 import time
 import traceback
 from collections import Counter
@@ -34,6 +35,7 @@ from .reasons import one_line_reason
 from .tracing import Accepts, Example, Specialized, trace
 
 MAX_RETRACES = 2  # recorded calls of other sizes traced when torch pins a dim at the example's size
+MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
 
 @dataclass
 class ExportOutcome:
@@ -234,7 +236,7 @@ def _to_onnx(stages: Stages, program: Any, names: dict[str, str], path: Path, ou
     with stages.run("decompose"):
         program = _decompose(program)
     with stages.run("onnx-translate"):
-        onnx_program = _translate(program)
+        onnx_program = _translate_decomposing(program, outcome.notes)
         if names:  # ONNXProgram.rename_axes does the same from torch 2.11 on
             _ir_passes().rename_axis(onnx_program.model, names)
         with writing("onnx-translate", f"the ONNX file {path}"):
@@ -305,6 +307,36 @@ def _translate(program: torch.export.ExportedProgram) -> Any:
     onnx_program = _core._exported_program_to_onnx_program(program, registry=_registry())
     onnx_program.optimize()
     return onnx_program
+
+
+def _translate_decomposing(program: torch.export.ExportedProgram, notes: list[str]) -> Any:
+    """:func:`_translate`; when the translation of an op fails (torchlib's ``cross_entropy_loss``
+    with a symbolic ``ignore_index``, as BERT's question-answering head passes), that op is
+    decomposed with torch's default decomposition and the program translated again."""
+    decomposed: list[str] = []
+    table = torch.export.default_decompositions()
+    for _ in range(MAX_DECOMPOSED):
+        try:
+            onnx_program = _translate(program)
+        except Exception as e:
+            op = _failing_op(e)
+            if op is None or op not in table:
+                raise
+            decomposed.append(str(op))
+            program = _decompose(program.run_decompositions({op: table[op]}))
+            continue
+        if decomposed:
+            notes.append(f"translated after decomposing {', '.join(decomposed)}: torch's ONNX translation failed on it")
+        return onnx_program
+    return _translate(program)
+
+
+def _failing_op(error: BaseException) -> Any:
+    """The op (``torch.ops.aten.nll_loss_nd.default``) of the node whose translation failed."""
+    found = re.search(r"target=torch\.ops\.([\w.]+)", f"{error} {error.__cause__}")
+    if found is None:
+        return None
+    return functools.reduce(lambda obj, name: getattr(obj, name, None), found[1].split("."), torch.ops)
 
 
 def _check_onnx(path: Path, outcome: ExportOutcome) -> None:
