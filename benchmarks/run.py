@@ -1,4 +1,4 @@
-"""Run the five benchmarks of pytest-exportobs and print one ratio per line.
+"""Run the six benchmarks of pytest-exportobs and print one ratio per line.
 
     python benchmarks/run.py [--quick] [--only P1,P3] [--verbose]
 
@@ -7,10 +7,11 @@ P2  observed call phase          vs  the same calls, plain     (target <= 1.10)
 P3  engine finishing one model   vs  hand-written export + ORT (target <= 1.15)
 P4  second, cached engine run    vs  the first                 (target <= 0.2)
 P5  -n 2 / --export-jobs 2       vs  serial / --export-jobs 1  (target <= 0.65)
+P6  --export-observe test phase  vs  -p no:exportobs          (target <= 1.05)
 
 Each benchmark runs in its own child process (P3 and P4 share one), so that none inherits another's
 imports, caches or memory.  Ratios come from CPU time (see README.md); absolute numbers follow each
-ratio line.  About 3 minutes on 2 idle cores (``--quick``: about 1.5), more on a busy machine.
+ratio line.  About 8 minutes on 2 idle cores (``--quick``: about 4), more on a busy machine.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SCRIPTS = {
     "P3": ["p3_p4_export.py"],
     "P4": ["p3_p4_export.py"],
     "P5": ["p5_scale.py"],
+    "P6": ["p6_observe_suite.py"],
 }
 
 
@@ -50,7 +52,7 @@ def run(script: str, extra: list[str], verbose: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Benchmarks of pytest-exportobs (ratios measured in this run)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (less precise)")
-    parser.add_argument("--only", default="P1,P2,P3,P4,P5", help="comma-separated subset, e.g. P1,P4")
+    parser.add_argument("--only", default="P1,P2,P3,P4,P5,P6", help="comma-separated subset, e.g. P1,P4")
     parser.add_argument("--verbose", action="store_true", help="show the benchmarks' progress")
     parser.add_argument("--mlp", action="store_true", help="P3/P4 on an MLP instead of the tiny Llama")
     args = parser.parse_args(argv)
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     begin = time.perf_counter()
     failed = False
     done: set[str] = set()
-    for name in ("P1", "P2", "P3", "P4", "P5"):
+    for name in ("P1", "P2", "P3", "P4", "P5", "P6"):
         if name not in wanted or name in done:
             continue
         script_args = list(extra)

@@ -39,7 +39,7 @@ class Listener(Protocol):
 _ORIGINAL = "__exportobs_original__"  # attribute of a class replacement: the function it replaces
 
 
-def _tracing() -> bool:
+def tracing() -> bool:
     """Whether torch.compile / torch.export / torch.jit.trace is tracing the current call."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
@@ -56,7 +56,7 @@ class _Route:
     listeners: dict[int, Counter[Listener]] = field(default_factory=dict)
 
     def call(self, instance: Any, method: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-        if _tracing():  # first, so that a tracer reads nothing else here
+        if tracing():  # first, so that a tracer reads nothing else here
             return method(*args, **kwargs)
         listeners = self.listeners.get(id(instance))
         if not listeners:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from .observing import MARKER_HELP
+from .observing import MARKER_HELP, NO_OBSERVE_MARKER_HELP
 from .options import Options, add_options
 
 ROLE_PLUGIN = "exportobs-role"
@@ -26,6 +26,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
+    config.addinivalue_line("markers", NO_OBSERVE_MARKER_HELP)
     options = Options.from_config(config)
     if not options.enabled or config.option.collectonly:
         return

@@ -27,6 +27,8 @@ class Options:
     jobs: int
     threads: int  # torch threads of each check: the process's share of the cores, per job
     check: CheckSettings
+    observe: tuple[str, ...] = ()  # dotted paths of classes whose called instances are observed
+    observe_exclude: tuple[str, ...] = ()  # fnmatch patterns of node ids and class names not observed
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Options:
@@ -60,6 +62,8 @@ class Options:
                 dims=_choice(config.getini("export_dims") or "roles", "export_dims", DIM_MODES),
                 timeout=_timeout(option.export_timeout or config.getini("export_timeout")),
             ),
+            observe=_lines(option.export_observe or config.getini("export_observe")),
+            observe_exclude=_lines(config.getini("export_observe_exclude")),
         )
 
 
@@ -94,6 +98,9 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption("--export-timeout", metavar="SECONDS", default=None,
                     help="time limit of each model's check: beyond it the model fails with kind "
                          "timeout (ini: export_timeout; default: none)")
+    group.addoption("--export-observe", metavar="CLASS", action="append", default=None,
+                    help="observe every instance of this torch.nn.Module class (dotted path; subclasses "
+                         "included) that a test calls, outermost calls only; repeatable (ini: export_observe)")
     parser.addini("export_check", "observe and check exports (like --export-check)", type="bool", default=False)
     parser.addini("export_dir", "artifacts directory (like --export-dir)", default="")
     parser.addini("export_report", "JSON report path (like --export-report)", default="")
@@ -110,6 +117,10 @@ def add_options(parser: pytest.Parser) -> None:
                   "when the tests never vary them; observed: only the dims the tests vary", default="roles")
     parser.addini("export_patches", "dotted paths to context-manager factories entered around export "
                   "and verification", type="linelist", default=[])
+    parser.addini("export_observe", "dotted paths of torch.nn.Module classes whose called instances are "
+                  "observed, one per line (like --export-observe)", type="linelist", default=[])
+    parser.addini("export_observe_exclude", "fnmatch patterns, one per line: tests (node ids) and model "
+                  "classes (module.qualname) export_observe leaves alone", type="linelist", default=[])
 
 
 def _path(config: pytest.Config, cli: str | None, ini_key: str) -> Path | None:
@@ -120,6 +131,10 @@ def _path(config: pytest.Config, cli: str | None, ini_key: str) -> Path | None:
         return None
     base = config.inipath.parent if config.inipath else config.rootpath
     return Path(base, value)
+
+
+def _lines(values: list[str]) -> tuple[str, ...]:
+    return tuple(v.strip() for v in values if v.strip())
 
 
 def _int(cli: int | None, ini: str, name: str) -> int:

@@ -22,7 +22,7 @@ import pytest
 from ..engine.result import INTERRUPTED, ModelResult
 from . import xdist
 from .conclusion import Concluding, incomplete, progress_writer
-from .observing import ANNOUNCED_PROPERTY, OBSERVED_PROPERTY, Observing
+from .observing import ANNOUNCED_PROPERTY, OBSERVED_PROPERTY, Observing, auto_observes
 from .options import Options
 
 
@@ -46,35 +46,53 @@ class LocalRole(Observing, Concluding):
     """The only process of the session."""
 
     def __init__(self, config: pytest.Config, options: Options):
-        Observing.__init__(self)
+        Observing.__init__(self, options)
         Concluding.__init__(self, config, options)
 
     @pytest.hookimpl(tryfirst=True)  # before junitxml writes its file in its own sessionfinish
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.stop_observing()
         for result in _check(session, self.groups(), self.options, progress_writer(self.config)):
             self.results[result.name] = result
+        self.notes += self.auto_notes()
         self.conclude(session, observed=set(), collected={item.nodeid for item in session.items})
 
 
 class WorkerRole(Observing):
-    """An xdist worker: checks the models observed here and sends the results to the controller."""
+    """An xdist worker: checks the models observed here and sends the results to the controller.
+
+    A usage error of ``--export-observe`` (found here: the controller never imports torch) is
+    sent to the controller, which reports it; the worker runs no test meanwhile."""
 
     def __init__(self, config: pytest.Config, options: Options):
-        super().__init__()
+        super().__init__(options)
         self.config = config
-        self.options = options
+        self.usage_error: str | None = None
+
+    def pytest_sessionstart(self) -> None:
+        try:
+            self.resolve_observed_classes()
+        except ValueError as e:  # raised on a worker, a UsageError would be a traceback, not a usage error
+            self.usage_error = str(e)
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        if self.usage_error is not None:
+            items.clear()
 
     @pytest.hookimpl(tryfirst=True)  # before xdist's sends the collection to the controller
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        xdist.write_placement(self.config, session.items)
+        xdist.write_placement(self.config, session.items, lambda item: auto_observes(item, self.options))
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         xdist.announce(item)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.stop_observing()
         results = _check(session, self.groups(), self.options, progress=None)
-        self.config.workeroutput[xdist.OUTPUT_KEY] = {"results": [r.to_json() for r in results]}
+        self.config.workeroutput[xdist.OUTPUT_KEY] = {
+            "results": [r.to_json() for r in results], "notes": self.auto_notes(), "usage_error": self.usage_error,
+        }
 
 
 class ControllerRole(Concluding):
@@ -90,6 +108,7 @@ class ControllerRole(Concluding):
         self.checked_on: dict[str, str] = {}  # group name -> worker that sent its result
         self.collected: set[str] = set()  # the node ids the workers collected
         self.placement = xdist.placement_directory(config)
+        self.usage_error: str | None = None  # a worker's: --export-observe names no class it can import
 
     @pytest.hookimpl(optionalhook=True, tryfirst=True)
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
@@ -121,6 +140,8 @@ class ControllerRole(Concluding):
 
     def _merge(self, output: dict[str, Any] | None, worker: str) -> None:
         """Merge a worker's results; a model checked on two workers is incomplete, not guessed."""
+        self.usage_error = self.usage_error or (output or {}).get("usage_error")
+        self.notes += [note for note in (output or {}).get("notes", []) if note not in self.notes]
         for data in (output or {}).get("results", []):
             result = ModelResult.from_json(data)
             first = self.checked_on.setdefault(result.name, worker)
@@ -133,6 +154,8 @@ class ControllerRole(Concluding):
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.usage_error is not None:
+            raise pytest.UsageError(self.usage_error)  # pytest prints it and exits with code 4
         for name, workers in sorted(self.observed_on.items()):
             lost = sorted(workers & self.crashed)
             if lost:

@@ -5,16 +5,16 @@ may go to different workers, which check them at the same time.  On the controll
 replaces ``--dist load`` (the default) with :class:`~.scheduling.ModelScheduling`, which sends
 the tests of one *placement group* to one worker.  Each worker computes the groups from its
 collection — the tests whose markers name a common model, merged transitively; every test that
-calls ``export_observer.watch()`` (its model is known only when it runs) in one group — and
-writes them to a directory the controller passed in ``workerinput``.  Node ids are left as they
-are.
+calls ``export_observer.watch()`` or in which ``--export-observe`` may observe (its models are
+known only when it runs) in one group — and writes them to a directory the controller passed in
+``workerinput``.  Node ids are left as they are.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -57,16 +57,19 @@ def configure_node(node: Any, directory: Path) -> None:
     node.workerinput[PLACEMENT_KEY] = str(directory)
 
 
-def write_placement(config: pytest.Config, items: Iterable[pytest.Item]) -> None:
+def write_placement(config: pytest.Config, items: Iterable[pytest.Item],
+                    auto: Callable[[pytest.Item], bool] | None = None) -> None:
     """Write the placement group of every observing test, when the controller asked for it."""
     directory = config.workerinput.get(PLACEMENT_KEY)
     if directory is not None:
-        write_atomic(Path(directory, f"{config.workerinput['workerid']}.json"), json_text(placement(items)))
+        write_atomic(Path(directory, f"{config.workerinput['workerid']}.json"), json_text(placement(items, auto)))
 
 
-def placement(items: Iterable[pytest.Item]) -> dict[str, str]:
+def placement(items: Iterable[pytest.Item], auto: Callable[[pytest.Item], bool] | None = None) -> dict[str, str]:
     """``{node id: group}`` for the tests that observe: tests naming a common model share a
-    group (named after its first model in sorted order), and so do all tests calling ``watch()``."""
+    group (named after its first model in sorted order), and so do all tests calling ``watch()``
+    and all tests ``auto`` says ``--export-observe`` may observe models in (their models are
+    known only when they run)."""
     parent: dict[str, str] = {}
 
     def root(name: str) -> str:
@@ -74,7 +77,9 @@ def placement(items: Iterable[pytest.Item]) -> dict[str, str]:
             name = parent[name]
         return name
 
-    keys = {item.nodeid: marked_names(item) + ([WATCH_GROUP] if watches(item) else []) for item in items}
+    runtime = auto or (lambda item: False)
+    keys = {item.nodeid: marked_names(item) + ([WATCH_GROUP] if watches(item) or runtime(item) else [])
+            for item in items}
     for names in keys.values():
         for name in names:
             parent[root(name)] = root(names[0])
