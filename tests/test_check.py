@@ -443,9 +443,14 @@ def test_rows_of_padded_queries_are_compared_as_attention_reads_them() -> None:
     wrong_real_token[0, 2, 0] += 0.7
     found = compare([wrong_real_token], [reference], Tolerance(), padding=mask)
     assert (found.ok, found.kind, found.n_beyond, found.n_padded) == (False, "mismatch", 1, 0)
-    classifier = torch.randn(2, 5)  # (batch, labels): no rows of queries, even when labels == length
+    start_logits = torch.randn(2, 5)  # a score per token (question answering): padded tokens are not read
+    garbage_at_padding = start_logits.clone()
+    garbage_at_padding[0, :2] += 0.7
+    found = compare([garbage_at_padding], [start_logits], Tolerance(), padding=mask)
+    assert (found.ok, found.n_padded) == (True, 2)
+    classifier = torch.randn(2, 3)  # (batch, labels): no rows of queries
     found = compare([classifier + 0.7], [classifier], Tolerance(), padding=mask)
-    assert (found.ok, found.n_beyond) == (False, 10)
+    assert (found.ok, found.n_beyond) == (False, 6)
 
 
 def test_a_model_resized_after_its_calls_is_skipped_with_the_reason(tmp_path: Path) -> None:
