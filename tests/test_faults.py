@@ -478,3 +478,63 @@ def test_observed_tests_behave_exactly_as_unobserved_ones(pytester: pytest.Pytes
     assert results["off"]["intact"] == [True, True]
     assert results["on"] == results["off"]
     assert results["on-xdist"] == results["off"]
+
+
+TEST_NATIVE_CRASH = '''
+import torch
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=False)[0]
+
+def test_half_attention(export_observer):
+    model = export_observer.watch(Attention().half().eval(), name="attention-fp16")
+    model(torch.randn(2, 5, 16).half())
+    model(torch.randn(3, 7, 16).half())
+
+def test_mlp(export_observer):
+    from models import MLP
+    model = export_observer.watch(MLP().eval(), name="mlp")
+    model(torch.randn(2, 8))
+    model(torch.randn(3, 8))
+'''
+
+
+def _onnxruntime_crashes_on_half_attention(directory: Path) -> bool:
+    """Whether this onnxruntime segfaults creating a session for an fp16 MultiheadAttention."""
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    path = directory / "attention.onnx"
+    dynamic = ({0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},)
+    torch.onnx.export(Attention().half().eval(), (torch.randn(2, 5, 16).half(),), dynamic_shapes=dynamic,
+                      dynamo=True).save(str(path))
+    code = "import sys, onnxruntime; onnxruntime.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])"
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True).returncode < 0
+
+
+def test_a_native_crash_of_onnxruntime_fails_one_model_and_keeps_the_session(pytester: pytest.Pytester) -> None:
+    if not _onnxruntime_crashes_on_half_attention(pytester.path):
+        pytest.skip("this onnxruntime does not crash on an fp16 MultiheadAttention")
+    pytester.makepyfile(models=MODELS, test_crash=TEST_NATIVE_CRASH)
+    result = pytester.runpytest_subprocess(
+        "--export-check", "--export-examples=0", "--junitxml=junit.xml", "--export-report=report.json",
+        "-p", "no:cacheprovider", timeout=600)
+    assert junit_cases(pytester.path / "junit.xml") == {
+        "test_crash::test_half_attention": "passed", "test_crash::test_mlp": "passed",
+        "exportobs::attention-fp16": "failure", "exportobs::mlp": "passed",
+    }, result.stdout.str()
+    models = json.loads((pytester.path / "report.json").read_text())["models"]
+    crashed = next(m for m in (models.values() if isinstance(models, dict) else models) if m["name"] == "attention-fp16")
+    assert (crashed["stage"], crashed["kind"]) == ("isolate", "crash")
+    assert crashed["reason"].startswith("onnxruntime crashed natively (SIGSEGV) creating a session for the ONNX written")
+    assert result.ret == 1

@@ -31,7 +31,9 @@ from .repro import write_repro
 from .result import PASSED, RUNTIME, SKIPPED, GraphResult
 from .settings import CheckSettings
 from .variations import explore
-from .verify import Discrepancy, OnnxRunner, RuntimeGap, OutputLayout, Tolerance, program_runner, verify_calls
+from .verify import (
+    Discrepancy, NativeCrash, OnnxRunner, OutputLayout, RuntimeGap, Tolerance, probe_load, program_runner, verify_calls,
+)
 
 T = TypeVar("T")
 Runner = Callable[[list[Any]], list[Any]]
@@ -146,16 +148,26 @@ class GraphCheck:
         return outcome
 
     def _runner(self, outcome: ExportOutcome) -> Runner | None:
-        """What runs the graph; ``None`` when onnxruntime lacks a kernel the graph needs: the
-        graph is then skipped (kind ``runtime``), the export itself being fine."""
+        """What runs the graph; ``None`` when onnxruntime lacks a kernel the graph needs (the graph
+        is then skipped, kind ``runtime``: the export itself is fine), cannot load it, or crashes
+        natively loading it (probed in a process of its own: stage ``isolate``, kind ``crash``)."""
         result, target = self.result, self.context.settings.target
         result.stage = "ort-load" if target == "onnx" else "verify"
         begin = time.perf_counter()
         try:
+            if target == "onnx":
+                probe_load(Path(outcome.onnx_path))
             runner = (
                 self.context.quiet(lambda: OnnxRunner(Path(outcome.onnx_path))) if target == "onnx"
                 else program_runner(outcome.program, self.shapes.aligned, constants=not outcome.bound)
             )
+        except NativeCrash as crash:
+            self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))  # of stage ort-load
+            result.stage, result.kind = "isolate", "crash"
+            result.reason = (
+                f"onnxruntime crashed natively ({crash}) creating a session for the ONNX written, in a process "
+                "of its own: the session and the other models are intact; report it to onnxruntime with the repro")
+            return None
         except RuntimeGap as gap:
             result.verdict, result.kind, result.reason = SKIPPED, RUNTIME, gap.explain(_float_dtype(self.context.module))
             return None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 import re
+import signal
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -173,6 +176,40 @@ class RuntimeGap(Exception):
             "checked but cannot run here; verify the model in float32 (a float32 copy in the tests), or "
             "with an execution provider that has the kernel"
         )
+
+
+class NativeCrash(Exception):
+    """onnxruntime died natively (a signal) loading the graph, in the process that probed it."""
+
+
+# onnx.TensorProto FLOAT16, BFLOAT16: onnxruntime's CPU provider crashes natively on some such graphs
+HALF_PRECISION = (10, 16)
+_LOAD = (
+    "import sys, onnxruntime\n"
+    "options = onnxruntime.SessionOptions()\noptions.log_severity_level = 3\n"
+    "try:\n    onnxruntime.InferenceSession(sys.argv[1], options, providers=['CPUExecutionProvider'])\n"
+    "except Exception:\n    pass\n"
+)
+
+
+def probe_load(path: Path) -> None:
+    """Load a half-precision graph in a fresh process before this one does: onnxruntime 1.32
+    segfaults creating a session for some (an fp16 ``nn.MultiheadAttention``), which would end
+    the pytest session and every other model's verdict.  Raises :class:`NativeCrash`."""
+    if not _half_precision(path):
+        return
+    completed = subprocess.run([sys.executable, "-c", _LOAD, str(path)], capture_output=True, timeout=600)
+    if completed.returncode < 0:
+        raise NativeCrash(signal.Signals(-completed.returncode).name)
+
+
+def _half_precision(path: Path) -> bool:
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    typed = [*graph.input, *graph.output, *graph.value_info]
+    return any(v.type.tensor_type.elem_type in HALF_PRECISION for v in typed) or any(
+        t.data_type in HALF_PRECISION for t in graph.initializer)
 
 
 class OnnxRunner:
