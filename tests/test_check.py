@@ -569,3 +569,23 @@ def test_an_op_whose_translation_fails_is_decomposed_and_translated_again(tmp_pa
     assert result.verdict == "passed", result.reason
     assert result.dims == {"hidden": {"0": "batch", "1": "seq"}, "start_positions": {"0": "batch"}}
     assert any(n.startswith("translated after decomposing aten.cross_entropy_loss.default") for n in result.notes)
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: int = 1) -> torch.Tensor:
+        return self.proj(x) * scale
+
+
+def test_more_structures_than_the_old_cap_each_get_their_graph(tmp_path: Path) -> None:
+    store = SessionStore()
+    module = Scaled().eval()
+    with store.observe(module, "scaled", ObserveOptions(store_n_calls=10), "t") as group:
+        for scale in range(2, 10):  # eight constants, eight graphs (the cap was 6: two calls left unverified)
+            module(torch.randn(scale, 4), scale=scale)
+    result = check_model(group, settings(tmp_path, target="torch"))
+    assert result.verdict == "passed", result.reason
+    assert sorted(g.constants["scale"] for g in result.graphs) == list(range(2, 10))
