@@ -589,3 +589,14 @@ def test_more_structures_than_the_old_cap_each_get_their_graph(tmp_path: Path) -
     result = check_model(group, settings(tmp_path, target="torch"))
     assert result.verdict == "passed", result.reason
     assert sorted(g.constants["scale"] for g in result.graphs) == list(range(2, 10))
+
+
+def test_rows_of_padded_queries_after_a_cache_are_the_masks_last_positions() -> None:
+    mask = torch.tensor([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]])  # 2 cached positions, then 3 new queries
+    reference = torch.randn(2, 3, 8)
+    garbage_at_padding = reference.clone()
+    garbage_at_padding[0, 0] += 0.7  # the first new query is padding
+    found = compare([garbage_at_padding], [reference], Tolerance(), padding=mask)
+    assert (found.ok, found.n_padded) == (True, 8)
+    garbage_at_padding[0, 1] += 0.7  # a real query
+    assert compare([garbage_at_padding], [reference], Tolerance(), padding=mask).n_beyond == 8

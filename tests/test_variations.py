@@ -323,3 +323,24 @@ class MaskUser(torch.nn.Module):
                 src_key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         mask = attention_mask if attention_mask is not None else ~src_key_padding_mask
         return x * mask.unsqueeze(-1).to(x.dtype)
+
+
+def test_generated_token_ids_never_take_the_padding_token() -> None:
+    observer = InputObserver()
+    model = TokenUser()
+    with observer(model):
+        model(torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]]), torch.ones(2, 4, dtype=torch.long))
+        model(torch.tensor([[1, 3, 0]]), torch.ones(1, 3, dtype=torch.long))
+    shapes = ShapeModel.from_aligned(observer.aligned())
+    ids = shapes.aligned.leaf_names.index("input_ids")
+    generator = torch.Generator().manual_seed(0)
+    sizes = {v.name: 40 for v in shapes.variables}
+    generated = [build_leaves(shapes, sizes, generator, recipes(shapes, pad_token_id=3))[ids] for _ in range(5)]
+    assert set(torch.cat(generated).unique().tolist()) == {0, 1, 2}
+    unrestricted = [build_leaves(shapes, sizes, generator)[ids] for _ in range(5)]
+    assert set(torch.cat(unrestricted).unique().tolist()) == {0, 1, 2, 3}
+
+
+class TokenUser(torch.nn.Module):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return (input_ids * attention_mask).float().mean(1)

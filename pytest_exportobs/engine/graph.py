@@ -254,6 +254,7 @@ class GraphCheck:
             eager=context.eager(self.shapes), run=self.runner, shapes=self.shapes, tolerance=context.tolerance,
             examples=context.examples, seed=context.settings.hypothesis_seed,
             database_dir=self.directory / "hypothesis", outputs=self.layout,
+            pad_token_id=getattr(getattr(context.module, "config", None), "pad_token_id", None),
         ))
         result.timings["variations"] = time.perf_counter() - begin
         result.variations = variation.to_json()

@@ -101,15 +101,16 @@ def explore(
     database_dir: Path,
     recorded_only: bool = False,
     outputs: OutputLayout | None = None,
+    pad_token_id: int | None = None,
 ) -> VariationOutcome:
     """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them;
     never raises for a model problem (an exception of ``run`` fails its example).
-    ``recorded_only``: see :func:`size_ranges`."""
+    ``recorded_only``: see :func:`size_ranges`; ``pad_token_id``: see :func:`~..shapes.synthesis.recipes`."""
     from hypothesis import find, strategies
     from hypothesis.errors import NoSuchExample, Unsatisfiable
 
     ranges = size_ranges(shapes, recorded_only=recorded_only)
-    trials = _Trials(eager, run, shapes, tolerance, recipes(shapes), outputs)
+    trials = _Trials(eager, run, shapes, tolerance, recipes(shapes, pad_token_id), outputs)
     if not ranges or examples <= 0:
         return trials.outcome(None)
     strategy = strategies.fixed_dictionaries(

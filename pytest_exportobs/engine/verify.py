@@ -104,17 +104,19 @@ def compare(
 def _unread_positions(ref: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor | None:
     """Where an output holds values no consumer reads, given the call's mask ``padding``
     ``(batch, length)``: cache entries ``(batch, heads, length, head_dim)`` at padded positions
-    (attention never reads them), and rows ``(batch, length, ...)`` of padded queries, per-token
-    scores ``(batch, length)`` included (with left padding under causal attention such a query
-    attends to nothing: its values are arbitrary in eager and ONNX alike).  ``None`` when the
-    output has no such layout."""
+    (attention never reads them), and rows ``(batch, queries, ...)`` of padded queries, per-token
+    scores ``(batch, length)`` included; queries after a cache are the mask's last positions.
+    With left padding under causal attention such a query attends to nothing: its values are
+    arbitrary in eager and ONNX alike.  ``None`` when the output has no such layout."""
     if padding is None or padding.dim() != 2 or ref.dim() < 2 or ref.shape[0] != padding.shape[0]:
         return None
     padded = padding == 0
     if ref.dim() == 4 and ref.shape[2] == padding.shape[1]:
         return padded[:, None, :, None].expand(ref.shape)
-    if ref.shape[1] == padding.shape[1] and (ref.dim() > 2 or ref.shape == padding.shape):
-        return padded.reshape(*padded.shape, *[1] * (ref.dim() - 2)).expand(ref.shape)
+    queries = ref.shape[1]
+    if queries <= padding.shape[1] and (ref.dim() > 2 or ref.shape == padding.shape):
+        rows = padded[:, padding.shape[1] - queries:]
+        return rows.reshape(*rows.shape, *[1] * (ref.dim() - 2)).expand(ref.shape)
     return None
 
 

@@ -9,6 +9,7 @@ stay ``arange``-like from an offset that follows the variable it matched (``past
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ class Recipe:
     offset_var: str | None = None
     pad_value: int = 0
     left: bool = False
+    exclude: int | None = None  # a value token ids never take (the padding token)
 
 
 def free_variables(shapes: ShapeModel) -> list[str]:
@@ -72,9 +74,15 @@ def example_leaves(shapes: ShapeModel) -> list[Any]:
     return build_leaves(shapes, export_sizes(shapes), torch.Generator().manual_seed(0))
 
 
-def recipes(shapes: ShapeModel) -> list[Recipe]:
-    """One recipe per flat leaf, learned from every call where the leaf is present."""
-    return [_recipe(shapes, leaf) for leaf in range(len(shapes.aligned.leaf_names))]
+def recipes(shapes: ShapeModel, pad_token_id: int | None = None) -> list[Recipe]:
+    """One recipe per flat leaf, learned from every call where the leaf is present.  Token ids
+    never take ``pad_token_id``: padding is the masks' to say (a padding token where a mask says
+    "real" makes a model pool a padded position, as GPT-2's classifier pools the last non-pad token)."""
+    found = [_recipe(shapes, leaf) for leaf in range(len(shapes.aligned.leaf_names))]
+    if pad_token_id is None:
+        return found
+    return [dataclasses.replace(r, exclude=pad_token_id) if r.kind == "int" and name.endswith("input_ids") else r
+            for r, name in zip(found, shapes.aligned.leaf_names)]
 
 
 def build_leaves(
@@ -103,7 +111,11 @@ def _fill(recipe: Recipe, shape: list[int], sizes: dict[str, int], generator: to
     if recipe.kind == "float":
         return torch.randn(shape, generator=generator).to(recipe.dtype)
     if recipe.kind == "int":
-        return torch.randint(recipe.low, recipe.high + 1, shape, generator=generator, dtype=recipe.dtype)
+        values = torch.randint(recipe.low, recipe.high + 1, shape, generator=generator, dtype=recipe.dtype)
+        if recipe.exclude is not None and recipe.low < recipe.high:
+            other = recipe.exclude + 1 if recipe.exclude < recipe.high else recipe.low
+            values[values == recipe.exclude] = other
+        return values
     if recipe.kind == "ones":
         return torch.ones(shape, dtype=recipe.dtype)
     if recipe.kind == "mask":
