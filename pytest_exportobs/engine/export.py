@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..core.text import error_line
-from ..core.trees import detached_clone, spec_paths
+from ..core.trees import detached_clone, flat_outputs, spec_paths
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import build_leaves, complete_sizes, example_leaves, export_sizes, free_variables
 from .bound import bind_constants
@@ -33,8 +33,10 @@ from .domain import Shape, apply_refinements, deferred_asserts, onnx_shapes, pro
 from .environment import EnvironmentProblem, writing
 from .reasons import one_line_reason
 from .tracing import Accepts, Example, Specialized, trace
+from .verify import Tolerance, compare
 
 MAX_RETRACES = 2  # recorded calls of other sizes traced when torch pins a dim at the example's size
+_ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten._assert_async.msg)
 MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
 
 @dataclass
@@ -149,10 +151,31 @@ def _trace(module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, 
                 found = trace(module, shapes, example, not outcome.bound, outcome.notes, accepts)
             except Specialized:
                 continue
+            if not _reproduces(found[0], module, outcome.example):
+                break  # the size is special for the model, not only for the trace: the pin stands
             outcome.example = example
             outcome.notes.append(f"traced on {what}: on the first example torch pinned {pinned}")
             return found
         raise
+
+
+def _reproduces(program: torch.export.ExportedProgram, module: torch.nn.Module, example: Example) -> bool:
+    """Whether a program traced elsewhere gives eager's outputs on ``example`` (the pinned size),
+    run as the ONNX graph will run it: without the runtime asserts of the branch it took."""
+    graph_module = program.module()
+    for node in list(graph_module.graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERTS and not node.users:
+            graph_module.graph.erase_node(node)
+    graph_module.recompile()
+    args, kwargs = detached_clone((example.args, example.kwargs))
+    try:
+        with torch.no_grad():
+            expected = flat_outputs(module(*args, **kwargs))
+            args, kwargs = detached_clone((example.args, example.kwargs))
+            actual = flat_outputs(graph_module(*args, **kwargs))
+    except Exception:  # the program rejects the size, or the model's own call fails there
+        return False
+    return compare(actual, expected, Tolerance()).ok
 
 
 def _other_examples(
