@@ -149,3 +149,19 @@ def test_a_graph_without_the_cache_reads_the_total_length_as_the_new_tokens() ->
     assert prefill.relations == []
     decode = joint.project([0, 1], {"input_ids", "attention_mask", "past_key_values"})
     assert [str(r) for r in decode.relations] == ["total_seq = past_seq + seq"]
+
+
+def test_encoder_outputs_roles_are_those_of_their_last_hidden_state() -> None:
+    from transformers.modeling_outputs import BaseModelOutput
+
+    def encoded() -> BaseModelOutput:  # beam search expands last_hidden_state only (2 prompts x 2 beams)
+        return BaseModelOutput(last_hidden_state=torch.randn(4, 7, 8), hidden_states=(torch.randn(2, 7, 8),),
+                               attentions=(torch.randn(2, 2, 7, 7),))
+
+    calls = [{"decoder_input_ids": ids(4, seq), "attention_mask": ones(4, 7), "encoder_outputs": encoded()}
+             for seq in (1, 2)]
+    assert summary(shapes_of(calls)) == (
+        "decoder_input_ids{0:batch,1:seq} attention_mask{0:batch,1:encoder_seq} "
+        "encoder_outputs.last_hidden_state{0:batch,1:encoder_seq}",  # no heads axis made dynamic
+        {"batch": "role", "seq": "observed", "encoder_seq": "role"}, [],
+    )

@@ -89,7 +89,10 @@ def _known_roles(aligned: AlignedCalls, leaf: int, encoder_decoder: bool, covers
         length = {"self": "past_seq", "cross": "encoder_seq", "static": None}[cache]
         axes = {0: "batch", 2: length} if rank == 4 else {0: "batch"}
         return {(leaf, dim): Role(name) for dim, name in axes.items() if name}
-    slot = aligned.leaf_slot(leaf).name
+    slot_of = aligned.leaf_slot(leaf)
+    slot = slot_of.name
+    if leaf != slot_of.start:
+        return {}  # a nest's other leaves (encoder_outputs.hidden_states, .attentions) have layouts of their own
     spelled = {
         "text": "encoder_seq" if encoder_decoder else "seq",
         "mask": "encoder_seq" if encoder_decoder else ("total_seq" if covers_past else "seq"),
