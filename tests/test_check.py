@@ -600,3 +600,14 @@ def test_rows_of_padded_queries_after_a_cache_are_the_masks_last_positions() -> 
     assert (found.ok, found.n_padded) == (True, 8)
     garbage_at_padding[0, 1] += 0.7  # a real query
     assert compare([garbage_at_padding], [reference], Tolerance(), padding=mask).n_beyond == 8
+
+
+def test_a_batch_element_a_mask_leaves_attending_to_nothing_is_not_evidence() -> None:
+    encoder_mask = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 1]])  # random test masks: row 1 masks everything
+    reference = torch.randn(3, 4, 8)
+    arbitrary = reference.clone()
+    arbitrary[1] += 0.5  # cross-attention over no key: arbitrary in eager and ONNX alike
+    found = compare([arbitrary], [reference], Tolerance(), empty_rows=(encoder_mask == 0).all(1))
+    assert (found.ok, found.n_padded) == (True, 32)
+    arbitrary[2, 0, 0] += 0.5
+    assert compare([arbitrary], [reference], Tolerance(), empty_rows=(encoder_mask == 0).all(1)).n_beyond == 1

@@ -80,10 +80,11 @@ class Discrepancy:
 
 def compare(
     actual: Sequence[Any], expected: Sequence[torch.Tensor | None], tolerance: Tolerance, index: int = 0,
-    names: Sequence[str] = (), padding: torch.Tensor | None = None,
+    names: Sequence[str] = (), padding: torch.Tensor | None = None, empty_rows: torch.Tensor | None = None,
 ) -> Discrepancy:
     """Compare flattened outputs; ``expected`` may hold ``None`` for non-tensor outputs.
-    ``names`` names the outputs; ``padding`` is the call's attention mask (0: padded)."""
+    ``names`` names the outputs; ``padding`` is the call's attention mask (0: padded);
+    ``empty_rows`` marks the batch elements a mask leaves attending to nothing."""
     expected = [t for t in expected if isinstance(t, torch.Tensor)]
     actual = [torch.as_tensor(a) if not isinstance(a, torch.Tensor) else a for a in actual]
     result = Discrepancy(index=index, ok=True)
@@ -93,12 +94,21 @@ def compare(
         name = names[position] if position < len(names) else f"output {position}"
         if tuple(got.shape) != tuple(ref.shape):
             return _outputs_differ(result, f"{name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
-        _accumulate(result, got, ref, tolerance, name, _unread_positions(ref, padding))
+        _accumulate(result, got, ref, tolerance, name, _unread(ref, padding, empty_rows))
     result.ok = result.n_beyond == 0
     result.kind = "" if result.ok else "mismatch"
     if result.n_beyond:
         result.detail = f"{result.n_beyond} of {result.n_values} values beyond tolerance, worst in {result.worst}"
     return result
+
+
+def _unread(ref: torch.Tensor, padding: torch.Tensor | None, empty_rows: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`_unread_positions`, and every value of the batch elements in ``empty_rows``."""
+    unread = _unread_positions(ref, padding)
+    if empty_rows is None or ref.dim() == 0 or ref.shape[0] != empty_rows.shape[0]:
+        return unread
+    rows = empty_rows.reshape(-1, *[1] * (ref.dim() - 1)).expand(ref.shape)
+    return rows if unread is None else unread | rows
 
 
 def _unread_positions(ref: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor | None:
@@ -155,14 +165,24 @@ def _accumulate(
 
 @dataclass(frozen=True)
 class OutputLayout:
-    """What the comparison knows of a graph: its outputs' names and the input leaf holding the
-    attention mask (``None``: no mask), whose zeros mark cache positions never read."""
+    """What the comparison knows of a graph: its outputs' names, the input leaf holding the
+    attention mask (``None``: no mask), whose zeros mark positions never read, and the leaves of
+    every mask (cross-attention ones included), an all-zero row of which leaves its batch element
+    attending to nothing: an input no tokenizer makes, whose outputs are arbitrary."""
 
     names: tuple[str, ...] = ()
     mask_leaf: int | None = None
+    mask_leaves: tuple[int, ...] = ()
 
     def padding(self, leaves: Sequence[Any]) -> torch.Tensor | None:
         return leaves[self.mask_leaf] if self.mask_leaf is not None else None
+
+    def empty_rows(self, leaves: Sequence[Any]) -> torch.Tensor | None:
+        """Per batch element, whether one of its masks masks every position."""
+        masks = [leaves[i] for i in self.mask_leaves if isinstance(leaves[i], torch.Tensor) and leaves[i].dim() == 2]
+        rows = [(mask == 0).all(dim=1) for mask in masks if mask.shape[0] == masks[0].shape[0]]
+        empty = torch.stack(rows).any(dim=0) if rows else None
+        return empty if empty is not None and bool(empty.any()) else None
 
 
 class RuntimeGap(Exception):
@@ -294,4 +314,4 @@ def run_and_compare(
     except Exception as e:
         return Discrepancy(index, False, "error", math.inf, math.inf, detail=error_line(e))
     layout = outputs or OutputLayout()
-    return compare(actual, reference, tolerance, index, layout.names, layout.padding(leaves))
+    return compare(actual, reference, tolerance, index, layout.names, layout.padding(leaves), layout.empty_rows(leaves))
