@@ -611,3 +611,20 @@ def test_a_batch_element_a_mask_leaves_attending_to_nothing_is_not_evidence() ->
     assert (found.ok, found.n_padded) == (True, 32)
     arbitrary[2, 0, 0] += 0.5
     assert compare([arbitrary], [reference], Tolerance(), empty_rows=(encoder_mask == 0).all(1)).n_beyond == 1
+
+
+class Patches(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 4, stride=4)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.conv(pixel_values).flatten(2)
+
+
+def test_a_bfloat16_conv_onnxruntime_types_out_is_a_runtime_skip(tmp_path: Path) -> None:
+    model = Patches().to(torch.bfloat16).eval()
+    result = check_model(observed(model, (torch.randn(2, 3, 16, 16, dtype=torch.bfloat16),)), settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind) == ("skipped", "ort-load", "runtime"), result.reason
+    assert result.reason.startswith("onnxruntime's CPUExecutionProvider has no kernel for Conv (node ")
+    assert "at the graph's opset in bfloat16" in result.reason

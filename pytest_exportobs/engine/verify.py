@@ -185,13 +185,20 @@ class OutputLayout:
         return empty if empty is not None and bool(empty.any()) else None
 
 
+# onnxruntime's type check of an op that takes no half-precision input at the graph's opset
+_HALF_TYPE_ERROR = re.compile(r"Type Error: Type 'tensor\((bfloat16|float16)\)' of input parameter")
+
+
 class RuntimeGap(Exception):
-    """onnxruntime has no kernel for an op of the graph (``NOT_IMPLEMENTED`` at session load)."""
+    """onnxruntime has no kernel for an op of the graph in its dtype (``NOT_IMPLEMENTED`` at
+    session load, or a type error on a float16/bfloat16 input of an op at the graph's opset)."""
 
     def explain(self, dtype: torch.dtype | None) -> str:
         """What the user reads: the op, the dtype and what to do."""
         found = re.search(r"implementation for (\S+?)\((\d+)\) node with name '([^']*)'", str(self))
-        op = f"{found[1]} (opset {found[2]}, node {found[3]})" if found else "an op of the graph"
+        typed = re.search(r"of operator \((\w+)\) in node \(([^)]*)\)", str(self))
+        op = (f"{found[1]} (opset {found[2]}, node {found[3]})" if found
+              else f"{typed[1]} (node {typed[2]}) at the graph's opset" if typed else "an op of the graph")
         in_dtype = f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
         return (
             f"onnxruntime's CPUExecutionProvider has no kernel for {op}{in_dtype}: the ONNX was written and "
@@ -256,7 +263,7 @@ class OnnxRunner:
                 options, providers=["CPUExecutionProvider"],
             )
         except Exception as e:
-            if "NOT_IMPLEMENTED" in str(e):
+            if "NOT_IMPLEMENTED" in str(e) or _HALF_TYPE_ERROR.search(str(e)):
                 raise RuntimeGap(str(e)) from e
             raise
         self.input_names = [i.name for i in self.session.get_inputs()]
