@@ -373,6 +373,7 @@ def test_calls_of_another_rank_or_dtype_get_graphs_of_their_own(tmp_path: Path) 
                                                 "attention_mask": {"0": "batch", "2": "seq", "3": "seq"}}),
     ]
     assert "3 input structures (ranks, dtypes or cache classes differ)" in " ".join(result.notes)
+    assert [g.name for g in result.graphs] == ["", "attention_mask bool", "attention_mask rank 4 float32"]
 
 
 class HiddenStates(torch.nn.Module):

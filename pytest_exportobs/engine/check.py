@@ -25,6 +25,7 @@ from ..core.text import error_line
 from ..core.trees import flattening_context
 from ..core.versions import package_versions
 from ..observe.binding import UnsupportedInput
+from ..observe.alignment import structure_difference
 from ..observe.store import ModelGroup, parameter_shapes
 from ..shapes.inference import DimPolicy
 from ..shapes.model import ShapeModel
@@ -112,8 +113,9 @@ class _ModelCheck:
             for family in families:
                 joint = self._infer(family)
                 found = found or self._references(observations)
-                context = self._context(family, observations, found)
-                checks, left = self._check_graphs(joint, context, first_graph=len(graphs))
+                checks, left = self._check_graphs(joint, self._context(family, observations, found), len(graphs))
+                if family is not families[0]:
+                    _name_structure(checks, self._difference(families[0][0], family[0]))
                 graphs.extend(checks)
                 if left:
                     shown = ", ".join(sorted(joint.aligned.present_slots(left[0])))
@@ -125,6 +127,11 @@ class _ModelCheck:
         _summarize(self.result, [g.result for g in graphs], unverified)
         if self.result.verdict == PASSED:
             self.result.output = ""
+
+    def _difference(self, first: int, other: int) -> str:
+        """What sets recorded call ``other``'s input structure apart from call ``first``'s."""
+        calls = [(o.args, o.kwargs) for o in (self.group.recorder.observations[i] for i in (first, other))]
+        return structure_difference(*calls, self.group.recorder.signature)
 
     def _infer(self, family: list[int]) -> ShapeModel:
         self.progress("infer")
@@ -256,6 +263,12 @@ def _summarize(result: ModelResult, graphs: list[GraphResult], unverified: list[
         result.reason = f"{'; '.join(unverified)} run on no exported graph (at most {MAX_GRAPHS} graphs per input structure)"
     else:
         result.verdict, result.stage = PASSED, graphs[-1].stage
+
+
+def _name_structure(checks: list[GraphCheck], difference: str) -> None:
+    """Prefix the graphs of a family with what sets its structure apart (``attention_mask bool``)."""
+    for check in checks:
+        check.result.name = ", ".join(filter(None, [difference, check.result.name]))
 
 
 def _spans(indices: list[int]) -> str:

@@ -289,6 +289,25 @@ def structure_families(
     return sorted((members for _, members in families), key=len, reverse=True)
 
 
+def structure_difference(
+    first: tuple[tuple[Any, ...], dict[str, Any]], other: tuple[tuple[Any, ...], dict[str, Any]],
+    signature: inspect.Signature,
+) -> str:
+    """What sets call ``other``'s structure apart from call ``first``'s, argument by argument:
+    ``attention_mask rank 4``, ``labels float32``, ``past_key_values StaticCache``."""
+    parts = []
+    for sv in bind_all([first, other], signature):
+        a, b = sv.values
+        if is_absent(a) or is_absent(b) or isinstance(b, CONSTANT_TYPES) or _structure_key(a) == _structure_key(b):
+            continue
+        if isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor):
+            described = [f"rank {b.dim()}"] * (a.dim() != b.dim()) + [str(b.dtype).removeprefix("torch.")] * (a.dtype != b.dtype)
+            parts.append(f"{sv.name} {' '.join(described)}")
+        else:
+            parts.append(f"{sv.name} {type(b).__name__}")
+    return ", ".join(parts)
+
+
 def _structure_key(value: Any) -> tuple[str, tuple[Any, ...]]:
     leaves, spec = _pytree.tree_flatten(value)
     return str(spec), tuple((t.dtype, t.dim()) if isinstance(t, torch.Tensor) else type(t) for t in leaves)
