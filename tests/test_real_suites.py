@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+import onnxruntime
 import pytest
+import torch
 from models import junit_cases
+from transformers import BertConfig, BertForSequenceClassification  # imported before pytester snapshots modules
 
 TEST_BERT = '''
 import pytest, torch
@@ -110,10 +114,6 @@ def test_a_transformers_style_suite_gets_a_graph_per_structure(pytester: pytest.
 def _serves_unseen_sizes(model: dict) -> None:
     """The graph of the plain calls (2-D int64 mask, no labels, default constants) serves a batch
     and a length the tests never used, with a tokenizer's left padding, as eager does."""
-    import numpy as np
-    import onnxruntime
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
 
     graph = next(g for g in model["graphs"] if g["inputs"] == ["input_ids", "attention_mask"] and not g["constants"]
                  and g["dims"]["attention_mask"] == {"0": "batch", "1": "seq"})

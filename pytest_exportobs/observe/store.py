@@ -117,6 +117,7 @@ class SessionStore:
 
     def __init__(self) -> None:
         self.groups: dict[str, ModelGroup] = {}
+        self.renamed: dict[str, str] = {}  # a name tests recorded -> the group's name since a split
         self._by_base: dict[str, dict[str, str]] = {}  # base name -> identity -> group name
         self._identities: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
@@ -149,6 +150,7 @@ class SessionStore:
 
     def _rename(self, base: str, ident: str, new_name: str) -> None:
         group = self.groups.pop(self._by_base[base][ident])
+        self.renamed[group.name] = new_name
         group.name = new_name
         self.groups[new_name] = group
         self._by_base[base][ident] = new_name

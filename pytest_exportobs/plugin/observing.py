@@ -152,6 +152,10 @@ class Observing:
         """The model groups observed in this process."""
         return [] if self._store is None else list(self._store.groups.values())
 
+    def renamed(self) -> dict[str, str]:
+        """Names tests recorded that a later split renamed, and the groups' names now."""
+        return {} if self._store is None else dict(self._store.renamed)
+
 
 def _options(kwargs: dict[str, Any], where: str) -> Any:
     from ..observe.store import ObserveOptions

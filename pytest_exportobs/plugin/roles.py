@@ -92,6 +92,7 @@ class WorkerRole(Observing):
         results = _check(session, self.groups(), self.options, progress=None)
         self.config.workeroutput[xdist.OUTPUT_KEY] = {
             "results": [r.to_json() for r in results], "notes": self.auto_notes(), "usage_error": self.usage_error,
+            "renamed": self.renamed(),
         }
 
 
@@ -141,6 +142,13 @@ class ControllerRole(Concluding):
     def _merge(self, output: dict[str, Any] | None, worker: str) -> None:
         """Merge a worker's results; a model checked on two workers is incomplete, not guessed."""
         self.usage_error = self.usage_error or (output or {}).get("usage_error")
+        for old, new in (output or {}).get("renamed", {}).items():  # a split after tests recorded the name
+            if old in self.observed:
+                self.observed.discard(old)
+                self.observed.add(new)
+            workers = self.observed_on.pop(old, None)
+            if workers is not None:
+                self.observed_on.setdefault(new, set()).update(workers)
         self.notes += [note for note in (output or {}).get("notes", []) if note not in self.notes]
         for data in (output or {}).get("results", []):
             result = ModelResult.from_json(data)
