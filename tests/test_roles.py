@@ -165,3 +165,17 @@ def test_encoder_outputs_roles_are_those_of_their_last_hidden_state() -> None:
         "encoder_outputs.last_hidden_state{0:batch,1:encoder_seq}",  # no heads axis made dynamic
         {"batch": "role", "seq": "observed", "encoder_seq": "role"}, [],
     )
+
+
+def test_a_graph_with_no_past_reads_a_free_total_length_as_the_new_tokens() -> None:
+    calls = [
+        {"input_ids": ids(2, 5), "attention_mask": ones(2, 5)},
+        {"input_ids": ids(3, 5), "attention_mask": ones(3, 5)},
+        {"input_ids": ids(2, 1), "attention_mask": ones(2, 9)},  # a mask covering tokens the call does not pass
+    ]
+    joint = shapes_of(calls)
+    assert joint.relations == [] and "total_seq" in {v.name for v in joint.variables}
+    prefill = joint.project([0, 1], {"input_ids", "attention_mask"})
+    assert format_dims(prefill.to_json()["dims"]) == "input_ids{0:batch,1:seq} attention_mask{0:batch,1:seq}"
+    whole = joint.project([0, 1, 2], {"input_ids", "attention_mask"})
+    assert format_dims(whole.to_json()["dims"]) == "input_ids{0:batch,1:seq} attention_mask{0:batch,1:total_seq}"

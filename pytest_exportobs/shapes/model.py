@@ -206,6 +206,7 @@ class ShapeModel:
                 projected.merge(reduced.derived, reduced.terms[0])
             else:
                 projected.relations.append(reduced)
+        _total_is_new_without_past(projected, by_name)
         return projected
 
     def to_json(self) -> dict[str, Any]:
@@ -219,6 +220,19 @@ class ShapeModel:
             "bounds": {k: list(b) for k, b in self.bounds().items()},
             "notes": list(self.notes),
         }
+
+
+def _total_is_new_without_past(projected: ShapeModel, variables: dict[str, Variable]) -> None:
+    """A graph with no past (no cache, no past length) reads the mask's total length as the new
+    tokens when its calls agree, even where no relation was inferred (the other calls of the model
+    gave a cache): Whisper's decoder had a free total_seq, variations fed masks longer than the ids."""
+    total, new = variables.get("total_seq"), variables.get("seq")
+    if total is None or new is None or "past_seq" in variables or total.name not in {v.name for v in projected.variables}:
+        return
+    if any(r.derived == "total_seq" or "total_seq" in r.terms for r in projected.relations):
+        return
+    if all(t is None or n is None or t == n for t, n in zip(total.values, new.values)):
+        projected.merge("total_seq", "seq")
 
 
 def _without_absent_terms(relation: Relation, variables: dict[str, Variable]) -> Relation | None:
