@@ -51,7 +51,8 @@ class ExportCache:
         digest = hashlib.sha256()
         classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules()})
         constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
-        digest.update(json.dumps([classes, method, shapes.aligned.leaf_names, constants, configuration_text(module)]).encode())
+        described = [classes, method, shapes.aligned.leaf_names, constants, configuration_text(module)]
+        digest.update(json.dumps(described).encode())
         for source in _source_files(module):
             digest.update(source.encode())
         for name, tensor in (*module.named_parameters(), *module.named_buffers()):

@@ -25,8 +25,8 @@ from ..core.text import error_line
 from ..core.trees import flattening_context
 from ..core.versions import package_versions
 from ..observe.binding import UnsupportedInput
-from ..observe.alignment import structure_difference
 from ..observe.store import ModelGroup, parameter_shapes
+from ..observe.structures import structure_difference
 from ..shapes.inference import DimPolicy
 from ..shapes.model import ShapeModel
 from . import patches
@@ -260,7 +260,8 @@ def _summarize(result: ModelResult, graphs: list[GraphResult], unverified: list[
         result.reason = f"[{failing.name}] {failing.reason}" if several and failing.name else failing.reason
     elif unverified:
         result.stage, result.kind = "verify", "unverified"
-        result.reason = f"{'; '.join(unverified)} run on no exported graph (at most {MAX_GRAPHS} graphs per input structure)"
+        result.reason = (f"{'; '.join(unverified)} run on no exported graph "
+                         f"(at most {MAX_GRAPHS} graphs per input structure)")
     else:
         result.verdict, result.stage = PASSED, graphs[-1].stage
 

@@ -188,7 +188,8 @@ def _other_examples(
     if var is None:
         return
     example = outcome.example
-    traced = max(example.leaves[leaf].shape[dim] for leaf, dim in var.axes if isinstance(example.leaves[leaf], torch.Tensor))
+    traced = max(example.leaves[leaf].shape[dim] for leaf, dim in var.axes
+                 if isinstance(example.leaves[leaf], torch.Tensor))
     calls = [i for i in range(shapes.aligned.n_calls) if None not in shapes.aligned.calls[i]
              and not shapes.small_variables(i) and var.values[i] != traced]
     for index in calls[:MAX_RETRACES]:

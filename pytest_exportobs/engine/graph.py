@@ -170,7 +170,8 @@ class GraphCheck:
                 "of its own: the session and the other models are intact; report it to onnxruntime with the repro")
             return None
         except RuntimeGap as gap:
-            result.verdict, result.kind, result.reason = SKIPPED, RUNTIME, gap.explain(_float_dtype(self.context.module))
+            result.verdict, result.kind = SKIPPED, RUNTIME
+            result.reason = gap.explain(_float_dtype(self.context.module))
             return None
         except Exception as e:
             if not type(e).__module__.startswith("onnxruntime"):
@@ -212,7 +213,8 @@ class GraphCheck:
                 return False
         source = context.observations[self.plan.calls[worst.index]].source or "recorded call"
         result.kind = worst.kind
-        result.reason = f"call {context.ids[self.plan.calls[worst.index]]} from {source}: {worst.detail or worst.kind}" + (
+        call = context.ids[self.plan.calls[worst.index]]
+        result.reason = f"call {call} from {source}: {worst.detail or worst.kind}" + (
             f", max |Δ| {worst.max_abs:.3g}" if worst.kind == "mismatch" else "")
         self._repro(leaves[worst.index])
         return False
@@ -221,7 +223,8 @@ class GraphCheck:
         padded = [d for d in found if d.n_padded]
         if padded:
             self.result.notes.append(
-                f"calls {[self.context.ids[self.plan.calls[d.index]] for d in padded]}: {sum(d.n_padded for d in padded)} values beyond "
+                f"calls {[self.context.ids[self.plan.calls[d.index]] for d in padded]}: "
+                f"{sum(d.n_padded for d in padded)} values beyond "
                 f"tolerance only at padded positions (max |Δ| {max(d.padded_max_abs for d in padded):.3g}): cache "
                 "entries attention never reads, rows of padded queries no consumer reads, batch elements a mask "
                 "leaves attending to nothing (no tokenizer makes them): tolerated"
@@ -236,8 +239,8 @@ class GraphCheck:
         found = context.quiet(lambda: reproduction(context.group, observation, context.references[call], context.tolerance))
         if found == "nondeterministic":
             result.kind = "nondeterministic"
-            result.reason = (f"call {context.ids[call]} from {observation.source or 'recorded call'}: two eager runs differ, "
-                             "the outputs cannot be compared (sampling? a submodule in training mode?)")
+            result.reason = (f"call {context.ids[call]} from {observation.source or 'recorded call'}: two eager runs "
+                             "differ, the outputs cannot be compared (sampling? a submodule in training mode?)")
         elif found == "stale":
             fresh = context.quiet(lambda: refreshed(context.group, context.observations))
             context.references[:] = fresh.outputs

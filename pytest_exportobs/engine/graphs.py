@@ -17,7 +17,8 @@ from typing import Any
 from ..observe.alignment import AlignedCalls
 from ..shapes.standins import stand_in_kind
 
-MAX_GRAPHS = 16  # graphs exported per input structure at most (32 calls are stored per model); calls beyond are unverified
+# graphs exported per input structure at most (32 calls are stored per model); calls beyond are unverified
+MAX_GRAPHS = 16
 
 
 @dataclass

@@ -263,56 +263,6 @@ def align_calls(
     return aligned
 
 
-def structure_families(
-    calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]], signature: inspect.Signature
-) -> list[list[int]]:
-    """The calls grouped into families that can be aligned together, largest first.
-
-    Two calls are of one family when every tensor argument both pass has the same tree structure
-    (the cache class included) and the same rank and dtype leaf by leaf: a 4-D mask, float labels
-    or a ``StaticCache`` beside a ``DynamicCache`` are another graph signature, never a reason to
-    fail the model.  An argument a call lacks agrees with anything (it is stood in for).
-    """
-    keys = [{} for _ in calls]
-    for sv in bind_all(calls, signature):
-        for key, value in zip(keys, sv.values):
-            if not is_absent(value) and not isinstance(value, CONSTANT_TYPES):
-                key[sv.name] = _structure_key(value)
-    families: list[tuple[dict[str, Any], list[int]]] = []
-    for index, key in enumerate(keys):
-        family = next((f for f in families if all(f[0].get(n, k) == k for n, k in key.items())), None)
-        if family is None:
-            families.append(({}, []))
-            family = families[-1]
-        family[0].update(key)
-        family[1].append(index)
-    return sorted((members for _, members in families), key=len, reverse=True)
-
-
-def structure_difference(
-    first: tuple[tuple[Any, ...], dict[str, Any]], other: tuple[tuple[Any, ...], dict[str, Any]],
-    signature: inspect.Signature,
-) -> str:
-    """What sets call ``other``'s structure apart from call ``first``'s, argument by argument:
-    ``attention_mask rank 4``, ``labels float32``, ``past_key_values StaticCache``."""
-    parts = []
-    for sv in bind_all([first, other], signature):
-        a, b = sv.values
-        if is_absent(a) or is_absent(b) or isinstance(b, CONSTANT_TYPES) or _structure_key(a) == _structure_key(b):
-            continue
-        if isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor):
-            described = [f"rank {b.dim()}"] * (a.dim() != b.dim()) + [str(b.dtype).removeprefix("torch.")] * (a.dtype != b.dtype)
-            parts.append(f"{sv.name} {' '.join(described)}")
-        else:
-            parts.append(f"{sv.name} {type(b).__name__}")
-    return ", ".join(parts)
-
-
-def _structure_key(value: Any) -> tuple[str, tuple[Any, ...]]:
-    leaves, spec = _pytree.tree_flatten(value)
-    return str(spec), tuple((t.dtype, t.dim()) if isinstance(t, torch.Tensor) else type(t) for t in leaves)
-
-
 def _flatten_slot(name: str, label: str, values: list[Any]) -> tuple[_pytree.TreeSpec, list[list[Any]], Any]:
     """The common pytree spec of a slot, each call's leaves (``None`` where absent) and the
     value with most leaves; ``label`` names the argument in errors as torch's InputObserver does."""

@@ -13,7 +13,8 @@ import torch
 from torch.utils import _pytree
 
 from ..core.trees import detached_clone, flattening_context
-from .alignment import AlignedCalls, align_calls, structure_families
+from .alignment import AlignedCalls, align_calls
+from .structures import structure_families
 from .interception import intercepted
 
 
@@ -284,7 +285,7 @@ class CallRecorder:
 
     def families(self) -> list[list[int]]:
         """The stored observations in families of one graph signature (see
-        :func:`.alignment.structure_families`), largest first."""
+        :func:`.structures.structure_families`), largest first."""
         self._check_recorded()
         with flattening_context():
             return structure_families([(o.args, o.kwargs) for o in self.observations], self.signature)

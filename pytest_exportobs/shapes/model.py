@@ -227,7 +227,9 @@ def _total_is_new_without_past(projected: ShapeModel, variables: dict[str, Varia
     tokens when its calls agree, even where no relation was inferred (the other calls of the model
     gave a cache): Whisper's decoder had a free total_seq, variations fed masks longer than the ids."""
     total, new = variables.get("total_seq"), variables.get("seq")
-    if total is None or new is None or "past_seq" in variables or total.name not in {v.name for v in projected.variables}:
+    if total is None or new is None or "past_seq" in variables:
+        return
+    if total.name not in {v.name for v in projected.variables}:
         return
     if any(r.derived == "total_seq" or "total_seq" in r.terms for r in projected.relations):
         return

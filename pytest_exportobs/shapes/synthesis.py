@@ -134,7 +134,7 @@ def _padding_mask(recipe: Recipe, shape: list[int], generator: torch.Generator) 
             real[..., -1] = True
     else:
         length = shape[1]
-        tokens = torch.randint(1, length + 1, (shape[0], 1), generator=generator) if length else torch.zeros(shape[0], 1)
+        tokens = torch.randint(1, max(length, 1) + 1, (shape[0], 1), generator=generator)  # real tokens per row
         positions = torch.arange(length)
         real = positions >= length - tokens if recipe.left else positions < tokens
     return (real if recipe.pad_value == 0 else ~real).to(recipe.dtype)
