@@ -629,3 +629,21 @@ def test_a_bfloat16_conv_onnxruntime_types_out_is_a_runtime_skip(tmp_path: Path)
     assert (result.verdict, result.stage, result.kind) == ("skipped", "ort-load", "runtime"), result.reason
     assert result.reason.startswith("onnxruntime's CPUExecutionProvider has no kernel for Conv (node ")
     assert "at the graph's opset in bfloat16" in result.reason
+
+
+def test_decoder_outputs_of_an_encoder_decoder_read_the_decoder_mask() -> None:
+    encoder_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1]])
+    decoder_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])  # the decoder side is padded
+    decoder_states, encoder_states = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    garbage = decoder_states.clone()
+    garbage[0, 0] += 0.7
+    found = compare([garbage, encoder_states], [decoder_states, encoder_states], Tolerance(),
+                    names=["last_hidden_state", "encoder_last_hidden_state"], padding=encoder_mask,
+                    decoder_padding=decoder_mask)
+    assert (found.ok, found.n_padded) == (True, 8)
+    wrong_encoder = encoder_states.clone()
+    wrong_encoder[0, 0] += 0.7  # the encoder side is not padded: a real mismatch
+    found = compare([decoder_states, wrong_encoder], [decoder_states, encoder_states], Tolerance(),
+                    names=["last_hidden_state", "encoder_last_hidden_state"], padding=encoder_mask,
+                    decoder_padding=decoder_mask)
+    assert (found.ok, found.n_beyond) == (False, 8)

@@ -97,7 +97,8 @@ class GraphCheck:
         names = self.shapes.aligned.leaf_names
         mask = next((names.index(n) for n in ("attention_mask", "decoder_attention_mask") if n in names), None)
         masks = tuple(i for i, n in enumerate(names) if n.endswith("attention_mask"))
-        self.layout = OutputLayout(tuple(outcome.outputs), mask, masks)
+        decoder = names.index("decoder_attention_mask") if "decoder_attention_mask" in names else None
+        self.layout = OutputLayout(tuple(outcome.outputs), mask, masks, decoder if decoder != mask else None)
         if not self._verify():
             return result
         if context.examples:

@@ -81,9 +81,11 @@ class Discrepancy:
 def compare(
     actual: Sequence[Any], expected: Sequence[torch.Tensor | None], tolerance: Tolerance, index: int = 0,
     names: Sequence[str] = (), padding: torch.Tensor | None = None, empty_rows: torch.Tensor | None = None,
+    decoder_padding: torch.Tensor | None = None,
 ) -> Discrepancy:
     """Compare flattened outputs; ``expected`` may hold ``None`` for non-tensor outputs.
-    ``names`` names the outputs; ``padding`` is the call's attention mask (0: padded);
+    ``names`` names the outputs; ``padding`` is the call's attention mask (0: padded), the
+    encoder's in an encoder-decoder, whose decoder-side outputs read ``decoder_padding``;
     ``empty_rows`` marks the batch elements a mask leaves attending to nothing."""
     expected = [t for t in expected if isinstance(t, torch.Tensor)]
     actual = [torch.as_tensor(a) if not isinstance(a, torch.Tensor) else a for a in actual]
@@ -94,7 +96,9 @@ def compare(
         name = names[position] if position < len(names) else f"output {position}"
         if tuple(got.shape) != tuple(ref.shape):
             return _outputs_differ(result, f"{name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
-        _accumulate(result, got, ref, tolerance, name, _unread(ref, padding, empty_rows))
+        encoder_side = decoder_padding is None or "encoder" in name or "cross_attention" in name
+        _accumulate(result, got, ref, tolerance, name, _unread(ref, padding if encoder_side else decoder_padding,
+                                                              empty_rows))
     result.ok = result.n_beyond == 0
     result.kind = "" if result.ok else "mismatch"
     if result.n_beyond:
@@ -173,9 +177,13 @@ class OutputLayout:
     names: tuple[str, ...] = ()
     mask_leaf: int | None = None
     mask_leaves: tuple[int, ...] = ()
+    decoder_mask_leaf: int | None = None  # an encoder-decoder's decoder_attention_mask
 
     def padding(self, leaves: Sequence[Any]) -> torch.Tensor | None:
         return leaves[self.mask_leaf] if self.mask_leaf is not None else None
+
+    def decoder_padding(self, leaves: Sequence[Any]) -> torch.Tensor | None:
+        return leaves[self.decoder_mask_leaf] if self.decoder_mask_leaf is not None else None
 
     def empty_rows(self, leaves: Sequence[Any]) -> torch.Tensor | None:
         """Per batch element, whether one of its masks masks every position."""
@@ -321,4 +329,5 @@ def run_and_compare(
     except Exception as e:
         return Discrepancy(index, False, "error", math.inf, math.inf, detail=error_line(e))
     layout = outputs or OutputLayout()
-    return compare(actual, reference, tolerance, index, layout.names, layout.padding(leaves), layout.empty_rows(leaves))
+    return compare(actual, reference, tolerance, index, layout.names, layout.padding(leaves), layout.empty_rows(leaves),
+                   layout.decoder_padding(leaves))
