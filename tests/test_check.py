@@ -647,3 +647,8 @@ def test_decoder_outputs_of_an_encoder_decoder_read_the_decoder_mask() -> None:
                     names=["last_hidden_state", "encoder_last_hidden_state"], padding=encoder_mask,
                     decoder_padding=decoder_mask)
     assert (found.ok, found.n_beyond) == (False, 8)
+
+
+def test_eager_outputs_holding_none_compare_with_each_other() -> None:
+    logits = torch.randn(2, 3)
+    assert compare([None, logits], [None, logits.clone()], Tolerance()).ok  # two eager runs of a model without loss

@@ -83,12 +83,13 @@ def compare(
     names: Sequence[str] = (), padding: torch.Tensor | None = None, empty_rows: torch.Tensor | None = None,
     decoder_padding: torch.Tensor | None = None,
 ) -> Discrepancy:
-    """Compare flattened outputs; ``expected`` may hold ``None`` for non-tensor outputs.
+    """Compare flattened outputs; both may hold ``None`` for non-tensor outputs (eager's ``loss``
+    without labels), left out of the comparison.
     ``names`` names the outputs; ``padding`` is the call's attention mask (0: padded), the
     encoder's in an encoder-decoder, whose decoder-side outputs read ``decoder_padding``;
     ``empty_rows`` marks the batch elements a mask leaves attending to nothing."""
     expected = [t for t in expected if isinstance(t, torch.Tensor)]
-    actual = [torch.as_tensor(a) if not isinstance(a, torch.Tensor) else a for a in actual]
+    actual = [torch.as_tensor(a) if not isinstance(a, torch.Tensor) else a for a in actual if a is not None]
     result = Discrepancy(index=index, ok=True)
     if len(actual) != len(expected):
         return _outputs_differ(result, f"{len(actual)} outputs, expected {len(expected)}")
