@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -95,8 +96,6 @@ def run_tests(python: str, tree: Path, arch: str, out: Path, plugin: bool, extra
 
 
 def _environment() -> dict[str, str]:
-    import os
-
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 

@@ -26,11 +26,12 @@ import torch
 from ..core.text import error_line
 from ..core.trees import detached_clone, flat_outputs, spec_paths
 from ..shapes.model import ShapeModel
-from ..shapes.synthesis import build_leaves, complete_sizes, example_leaves, export_sizes, free_variables
+from ..shapes.synthesis import example_leaves, free_variables
 from .bound import bind_constants
 from .cache import CacheEntry, ExportCache
 from .domain import Shape, apply_refinements, deferred_asserts, onnx_shapes, program_shapes, read_dims, refinements
 from .environment import EnvironmentProblem, writing
+from .probe import leaves_at
 from .reasons import one_line_reason
 from .tracing import Accepts, Example, Specialized, trace
 from .verify import Tolerance, compare
@@ -145,7 +146,7 @@ def _trace(module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, 
     try:
         return trace(module, shapes, outcome.example, not outcome.bound, outcome.notes, accepts)
     except Specialized as pinned:
-        for what, leaves in _other_examples(module, shapes, outcome, pinned.name):
+        for what, leaves in _other_examples(shapes, outcome.example, pinned.name, accepts):
             example = Example(leaves, *shapes.aligned.split_arguments(leaves, constants=not outcome.bound))
             try:
                 found = trace(module, shapes, example, not outcome.bound, outcome.notes, accepts)
@@ -178,32 +179,22 @@ def _reproduces(program: torch.export.ExportedProgram, module: torch.nn.Module, 
     return compare(actual, expected, Tolerance()).ok
 
 
-def _other_examples(
-    module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, name: str
-) -> Iterator[tuple[str, list[Any]]]:
-    """Examples where variable ``name`` has another size than in the traced one: recorded calls
-    fit to trace (every input present, dynamic sizes >= 2), then inputs synthesized at a size
-    one step of its largest power-of-two divisor above (32 -> 48), when eager runs them."""
+def _other_examples(shapes: ShapeModel, example: Example, name: str, accepts: Accepts) -> Iterator[tuple[str, list[Any]]]:
+    """Examples where variable ``name`` has another size than in ``example``: recorded calls fit
+    to trace (every input present, dynamic sizes >= 2), then inputs synthesized at a size one step
+    of its largest power-of-two divisor above (32 -> 48), when eager ``accepts`` it."""
     var = next((v for v in shapes.variables if v.name == name), None)
     if var is None:
         return
-    example = outcome.example
     traced = max(example.leaves[leaf].shape[dim] for leaf, dim in var.axes
                  if isinstance(example.leaves[leaf], torch.Tensor))
     calls = [i for i in range(shapes.aligned.n_calls) if None not in shapes.aligned.calls[i]
              and not shapes.small_variables(i) and var.values[i] != traced]
     for index in calls[:MAX_RETRACES]:
         yield f"call {index}", shapes.call_leaves(index)
-    if name in free_variables(shapes):
-        sizes = {**export_sizes(shapes), name: traced + min(16, traced & -traced)}
-        leaves = build_leaves(shapes, complete_sizes(shapes, sizes), torch.Generator().manual_seed(0))
-        args, kwargs = detached_clone(shapes.aligned.split_arguments(leaves, constants=not outcome.bound))
-        try:
-            with torch.no_grad():
-                module(*args, **kwargs)
-        except Exception:  # the model's own call: it does not run at that size
-            return
-        yield f"inputs synthesized at {name}={sizes[name]}", leaves
+    size = traced + min(16, traced & -traced)
+    if name in free_variables(shapes) and accepts(name, size):
+        yield f"inputs synthesized at {name}={size}", leaves_at(shapes, {name: size})
 
 
 def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> Example:

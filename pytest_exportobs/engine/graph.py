@@ -94,11 +94,7 @@ class GraphCheck:
         self.runner = self._runner(outcome)
         if self.runner is None:
             return result
-        names = self.shapes.aligned.leaf_names
-        mask = next((names.index(n) for n in ("attention_mask", "decoder_attention_mask") if n in names), None)
-        masks = tuple(i for i, n in enumerate(names) if n.endswith("attention_mask"))
-        decoder = names.index("decoder_attention_mask") if "decoder_attention_mask" in names else None
-        self.layout = OutputLayout(tuple(outcome.outputs), mask, masks, decoder if decoder != mask else None)
+        self.layout = OutputLayout.of(outcome.outputs, self.shapes.aligned.leaf_names)
         if not self._verify():
             return result
         if context.examples:
@@ -158,11 +154,11 @@ class GraphCheck:
         begin = time.perf_counter()
         try:
             if target == "onnx":
-                probe_load(Path(outcome.onnx_path))
-            runner = (
-                self.context.quiet(lambda: OnnxRunner(Path(outcome.onnx_path))) if target == "onnx"
-                else program_runner(outcome.program, self.shapes.aligned, constants=not outcome.bound)
-            )
+                path = Path(outcome.onnx_path)
+                probe_load(path)
+                runner = self.context.quiet(lambda: OnnxRunner(path))
+            else:
+                runner = program_runner(outcome.program, self.shapes.aligned, constants=not outcome.bound)
         except NativeCrash as crash:
             self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))  # of stage ort-load
             result.stage, result.kind = "isolate", "crash"

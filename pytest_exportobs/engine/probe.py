@@ -47,12 +47,16 @@ def _free_sizes(shapes: ShapeModel) -> dict[str, int]:
     return {name: size for name, size in export_sizes(shapes).items() if name in free}
 
 
+def leaves_at(shapes: ShapeModel, changed: dict[str, int]) -> list[Any]:
+    """Inputs synthesized at the export sizes but ``changed`` (derived sizes following)."""
+    sizes = complete_sizes(shapes, {**_free_sizes(shapes), **changed})
+    return build_leaves(shapes, sizes, torch.Generator().manual_seed(0))
+
+
 def _rejection(shapes: ShapeModel, eager: Eager, changed: dict[str, int]) -> str | None:
     """Why eager fails on inputs at the export sizes but ``changed`` (``None``: it runs)."""
-    sizes = complete_sizes(shapes, {**_free_sizes(shapes), **changed})
-    leaves = build_leaves(shapes, sizes, torch.Generator().manual_seed(0))
     try:
-        eager(detached_clone(leaves))
+        eager(detached_clone(leaves_at(shapes, changed)))
     except Exception as e:  # the model's own check of its input sizes
         return error_line(e)
     return None

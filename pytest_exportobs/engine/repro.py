@@ -9,8 +9,8 @@ reruns the stage and exits with 1 when the failure reproduces.
 from __future__ import annotations
 
 import functools
-import json
 import inspect
+import json
 import pprint
 import sys
 from collections.abc import Mapping
@@ -203,10 +203,10 @@ def _builder(module: torch.nn.Module) -> _Builder:
         why_not = _not_importable(cls) or _not_importable(type(config))
         return _manual_builder(cls, why_not) if why_not else _config_builder(cls, config)
     if isinstance(config, Mapping) and callable(getattr(cls, "from_config", None)):
-        why_not = _not_importable(cls) or _not_json(config)
+        text, not_json = _json_text(config)
+        why_not = _not_importable(cls) or not_json
         body = f'    return {cls.__qualname__}.from_config(json.loads((HERE / "config.json").read_text()))'
-        return _manual_builder(cls, why_not) if why_not else _Builder(
-            _import_lines(cls), body, config=json.dumps(dict(config), indent=1))
+        return _manual_builder(cls, why_not) if why_not else _Builder(_import_lines(cls), body, config=text)
     why_not = _not_importable(cls) or _constructor_problem(cls, module)
     return _manual_builder(cls, why_not) if why_not else _Builder(_import_lines(cls), f"    return {cls.__qualname__}()")
 
@@ -231,12 +231,12 @@ def _manual_builder(cls: type, why_not: str) -> _Builder:
     return _Builder(body=body, why_not=why_not)
 
 
-def _not_json(config: Mapping[str, Any]) -> str:
+def _json_text(config: Mapping[str, Any]) -> tuple[str, str]:
+    """The config as JSON text, and why it cannot be ('' when it can)."""
     try:
-        json.dumps(dict(config))
+        return json.dumps(dict(config), indent=1), ""
     except (TypeError, ValueError) as e:
-        return f"its config is not JSON: {e}"
-    return ""
+        return "", f"its config is not JSON: {e}"
 
 
 def _not_importable(cls: type) -> str:

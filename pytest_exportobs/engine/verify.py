@@ -180,6 +180,15 @@ class OutputLayout:
     mask_leaves: tuple[int, ...] = ()
     decoder_mask_leaf: int | None = None  # an encoder-decoder's decoder_attention_mask
 
+    @classmethod
+    def of(cls, outputs: Sequence[str], leaf_names: Sequence[str]) -> OutputLayout:
+        """The layout of a graph of these outputs taking these input leaves."""
+        names = list(leaf_names)
+        mask = next((names.index(n) for n in ("attention_mask", "decoder_attention_mask") if n in names), None)
+        decoder = names.index("decoder_attention_mask") if "decoder_attention_mask" in names else None
+        masks = tuple(i for i, n in enumerate(names) if n.endswith("attention_mask"))
+        return cls(tuple(outputs), mask, masks, decoder if decoder != mask else None)
+
     def padding(self, leaves: Sequence[Any]) -> torch.Tensor | None:
         return leaves[self.mask_leaf] if self.mask_leaf is not None else None
 
