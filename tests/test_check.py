@@ -652,3 +652,67 @@ def test_decoder_outputs_of_an_encoder_decoder_read_the_decoder_mask() -> None:
 def test_eager_outputs_holding_none_compare_with_each_other() -> None:
     logits = torch.randn(2, 3)
     assert compare([None, logits], [None, logits.clone()], Tolerance()).ok  # two eager runs of a model without loss
+
+
+class PositionTable(torch.nn.Module):
+    """Learned positions for at most 16 tokens: torch bounds seq <= 16, and so does eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.table[: x.shape[1]]
+
+
+class ShortPathBranch(torch.nn.Module):
+    """Another computation past 8 tokens: torch bounds seq <= 8 though eager runs 9."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 8:
+            return x.flip(1)
+        return x * 2
+
+
+def test_a_bound_eager_cannot_pass_is_the_models_limit_and_the_onnx_serves_up_to_it(tmp_path: Path) -> None:
+    from pytest_exportobs.engine.verify import OnnxRunner
+
+    model = PositionTable()
+    result = check_model(observed(model, (torch.randn(2, 5, 8),), (torch.randn(3, 9, 8),)), settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"x": {"0": "batch", "1": "seq"}}
+    x = torch.randn(4, 16, 8)
+    torch.testing.assert_close(torch.from_numpy(OnnxRunner(Path(result.onnx_path))([x])[0]), model(x).detach())
+
+
+def test_a_bound_below_a_size_eager_runs_fails_as_specialized(tmp_path: Path) -> None:
+    result = check_model(observed(ShortPathBranch(), (torch.randn(2, 3),), (torch.randn(3, 5),)), settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind) == ("failed", "torch.export", "specialized")
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "if x.shape[1] > 8" in text)
+    assert result.reason == (
+        "x_dim1 (x.1, the tests vary it) bounded to at most 8 (eager runs x_dim1=9) by torch.export"
+        f" at tests/test_check.py:{line}: if x.shape[1] > 8:")
+
+
+def test_a_sliding_window_the_tests_never_fill_fails_with_the_bound_and_the_step_past_it(tmp_path: Path) -> None:
+    """Gemma-2 under generate(), prompts and outputs shorter than its window of 16: torch bounds
+    the cache length to 15; one more decode step fills the window, its sliding layers holding 15
+    while the others hold 16: a state the one graph cannot serve, never a pass."""
+    transformers = pytest.importorskip("transformers")
+    from pytest_exportobs import register_flattening_functions
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, sliding_window=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    store = SessionStore()
+    with register_flattening_functions(), store.observe(model, "gemma2", ObserveOptions(), "t") as group:
+        for batch, prompt, new in ((1, 5, 3), (2, 7, 4)):
+            ids = torch.randint(3, 64, (batch, prompt))
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind) == ("failed", "torch.export", "specialized")
+    assert "past_seq" in result.reason and "bounded to at most 15 (the model's own next step from past_seq=15 " in result.reason
+    assert "where past_key_values.key_0 holds 15, past_key_values.value_0 holds 15)" in result.reason

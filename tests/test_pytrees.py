@@ -205,6 +205,19 @@ def test_make_dynamic_cache_with_mixed_layer_classes_round_trips(cache_utils):
     assert_same_tensors(leaves, flat(pairs))
 
 
+def test_a_mixed_layer_cache_structure_saves_as_json_and_loads_back(cache_utils):
+    """A repro saves its input tree with treespec_dumps: layer classes and windows survive."""
+    classes = [cache_utils.DynamicSlidingWindowLayer, cache_utils.DynamicLayer]
+    cache = make_dynamic_cache(kv_pairs(seq=5), cls_layers=classes, cls_kwargs=[dict(sliding_window=8), {}])
+    with register_flattening_functions():
+        leaves, spec = pytree.tree_flatten({"past_key_values": cache})
+        loaded = pytree.treespec_loads(pytree.treespec_dumps(spec))
+        rebuilt = pytree.tree_unflatten(leaves, loaded)["past_key_values"]
+    assert loaded == spec
+    assert [type(layer) for layer in rebuilt.layers] == classes
+    assert rebuilt.layers[0].sliding_window == 8
+
+
 def test_make_dynamic_cache_takes_a_flat_list_and_any_rank_from_two(cache_utils):
     key, value = torch.ones(2, 2), torch.ones(3, 4, 5)
     cache = make_dynamic_cache([key, value])

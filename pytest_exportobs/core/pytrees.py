@@ -232,6 +232,20 @@ class MixedLayers:
         return [getattr(_cache_utils(), name)(**dict(arguments)) for name, arguments in self.layers]
 
 
+def _dumpable(context: list[str] | MixedLayers) -> Any:
+    """A flattening context as JSON (a repro saves the input tree)."""
+    if isinstance(context, MixedLayers):
+        return {"names": list(context.names), "layers": [[name, [list(a) for a in arguments]] for name, arguments in context.layers]}
+    return context
+
+
+def _from_dumpable(dumped: Any) -> list[str] | MixedLayers:
+    if isinstance(dumped, dict):
+        layers = tuple((name, tuple(tuple(a) for a in arguments)) for name, arguments in dumped["layers"])
+        return MixedLayers(tuple(dumped["names"]), layers)
+    return dumped
+
+
 def _names(context: list[str] | MixedLayers) -> list[str]:
     return list(context.names) if isinstance(context, MixedLayers) else context
 
@@ -340,6 +354,8 @@ def _acquire(nodes: dict[type, tuple[Flatten, Unflatten]]) -> list[type]:
                     unflatten,
                     serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
                     flatten_with_keys_fn=_with_keys(flatten),
+                    to_dumpable_context=_dumpable,
+                    from_dumpable_context=_from_dumpable,
                 )
                 _owned[cls] = 0
             _owned[cls] += 1

@@ -33,7 +33,8 @@ from .domain import Shape, apply_refinements, deferred_asserts, onnx_shapes, pro
 from .environment import EnvironmentProblem, writing
 from .probe import leaves_at
 from .reasons import one_line_reason
-from .tracing import Accepts, Example, Specialized, trace
+from .probe import SizeProbe
+from .tracing import Example, Specialized, trace
 from .verify import Tolerance, compare
 
 MAX_RETRACES = 2  # recorded calls of other sizes traced when torch pins a dim at the example's size
@@ -101,12 +102,12 @@ class Stages:
 
 def export_model(
     module: torch.nn.Module, shapes: ShapeModel, target: str, onnx_path: Path,
-    cache: ExportCache | None = None, method: str = "forward", accepts: Accepts = lambda name, size: False,
+    cache: ExportCache | None = None, method: str = "forward", probe: SizeProbe | None = None,
 ) -> ExportOutcome:
     """Export ``module.<method>`` called on ``shapes``' example inputs with its dynamic dimensions;
     ``target`` ``onnx`` translates and writes ``onnx_path``, ``torch`` stops after torch.export.
     The shape model is refined with what torch proved (equal dims, multiples of 2...);
-    ``accepts(name, size)`` tells whether eager runs a size torch's bounds exclude."""
+    The ``probe`` runs eager at sizes torch's bounds exclude (``None``: bounds are not checked)."""
     outcome = ExportOutcome(ok=True, stage="torch.export")
     stages = Stages(outcome)
     exported = bind_constants(module, method, shapes.aligned)
@@ -119,7 +120,7 @@ def export_model(
             return outcome
     try:
         with stages.run("torch.export"):
-            program, outcome.dims_form = _trace(exported, shapes, outcome, accepts)
+            program, outcome.dims_form = _trace(exported, shapes, outcome, probe)
         outcome.program = program
         outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
         names = _refine(shapes, program_shapes(program), outcome)
@@ -138,18 +139,22 @@ def export_model(
     return outcome
 
 
-def _trace(module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, accepts: Accepts) -> tuple[Any, str]:
+def _trace(
+    module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, probe: SizeProbe | None,
+) -> tuple[Any, str]:
     """:func:`~.tracing.trace` on the example; when torch pins a dim at the size the example
     happens to have (a size the model treats specially: DINOv2 skips its position interpolation
     at the config's image size), traced again on recorded calls of other sizes, then on inputs
     synthesized at another size, before failing."""
     try:
-        return trace(module, shapes, outcome.example, not outcome.bound, outcome.notes, accepts)
+        return trace(module, shapes, outcome.example, not outcome.bound, outcome.notes, probe)
     except Specialized as pinned:
-        for what, leaves in _other_examples(shapes, outcome.example, pinned.name, accepts):
+        if not pinned.retrace:
+            raise
+        for what, leaves in _other_examples(shapes, outcome.example, pinned.name, probe):
             example = Example(leaves, *shapes.aligned.split_arguments(leaves, constants=not outcome.bound))
             try:
-                found = trace(module, shapes, example, not outcome.bound, outcome.notes, accepts)
+                found = trace(module, shapes, example, not outcome.bound, outcome.notes, probe)
             except Specialized:
                 continue
             if not _reproduces(found[0], module, outcome.example):
@@ -179,10 +184,12 @@ def _reproduces(program: torch.export.ExportedProgram, module: torch.nn.Module, 
     return compare(actual, expected, Tolerance()).ok
 
 
-def _other_examples(shapes: ShapeModel, example: Example, name: str, accepts: Accepts) -> Iterator[tuple[str, list[Any]]]:
+def _other_examples(
+    shapes: ShapeModel, example: Example, name: str, probe: SizeProbe | None,
+) -> Iterator[tuple[str, list[Any]]]:
     """Examples where variable ``name`` has another size than in ``example``: recorded calls fit
     to trace (every input present, dynamic sizes >= 2), then inputs synthesized at a size one step
-    of its largest power-of-two divisor above (32 -> 48), when eager ``accepts`` it."""
+    of its largest power-of-two divisor above (32 -> 48), when eager accepts them."""
     var = next((v for v in shapes.variables if v.name == name), None)
     if var is None:
         return
@@ -193,7 +200,7 @@ def _other_examples(shapes: ShapeModel, example: Example, name: str, accepts: Ac
     for index in calls[:MAX_RETRACES]:
         yield f"call {index}", shapes.call_leaves(index)
     size = traced + min(16, traced & -traced)
-    if name in free_variables(shapes) and accepts(name, size):
+    if name in free_variables(shapes) and probe is not None and probe.accepts(name, size):
         yield f"inputs synthesized at {name}={size}", leaves_at(shapes, {name: size})
 
 

@@ -25,7 +25,7 @@ from .cache import ExportCache
 from .export import ExportOutcome, export_model
 from .environment import writing
 from .graphs import GraphPlan
-from .probe import acceptor, probe_unvaried_dims
+from .probe import SizeProbe, probe_unvaried_dims
 from .references import refreshed, reproduction
 from .repro import write_repro
 from .result import PASSED, RUNTIME, SKIPPED, GraphResult
@@ -64,13 +64,15 @@ class ModelContext:
     def method(self) -> str:
         return self.group.options.method
 
-    def eager(self, shapes: ShapeModel) -> Runner:
-        """Run the module's method on flat leaves of ``shapes``' calls."""
+    def eager(self, shapes: ShapeModel, flat: bool = True) -> Runner:
+        """Run the module's method on flat leaves of ``shapes``' calls; its outputs flat, or as
+        the module returns them."""
         method = getattr(self.module, self.method)
 
-        def run(leaves: list[Any]) -> list[Any]:
+        def run(leaves: list[Any]) -> Any:
             args, kwargs = shapes.aligned.split_arguments(leaves)
-            return flat_outputs(method(*args, **kwargs))
+            outputs = method(*args, **kwargs)
+            return flat_outputs(outputs) if flat else outputs
 
         return run
 
@@ -124,10 +126,10 @@ class GraphCheck:
         context, result = self.context, self.result
         context.progress("export" + (f" [{self.plan.name}]" if self.plan.name else ""))
         cache = ExportCache(context.settings.export_dir / "cache", context.patches) if context.settings.use_cache else None
-        accepts = acceptor(self.shapes, context.eager(self.shapes))
+        probe = SizeProbe(self.shapes, context.eager(self.shapes, flat=False))
         outcome = context.quiet(lambda: export_model(
             context.module, self.shapes, context.settings.target, self.directory / "model.onnx", cache,
-            method=context.method, accepts=accepts,
+            method=context.method, probe=probe,
         ))
         result.timings.update(outcome.timings)
         result.notes.extend(outcome.notes)

@@ -1,16 +1,23 @@
-"""Before exporting a dim the tests never varied, check that eager accepts another size.
+"""Eager runs of the model at sizes no call had.
 
-A role makes the batch, sequence and cache lengths dynamic even when every test used one size.
-Some models cannot take another size (a reshape to the batch they were written for): eager
-rejects it, and such a dim is kept static, with a note, rather than blamed on the export.
+Before exporting a dim the tests never varied, check that eager accepts another size.  A role
+makes the batch, sequence and cache lengths dynamic even when every test used one size.  Some
+models cannot take another size (a reshape to the batch they were written for): eager rejects it,
+and such a dim is kept static, with a note, rather than blamed on the export.
+
+When torch bounds a dim, :class:`SizeProbe` tells whether the model reaches a size past the bound:
+on inputs synthesized there, or by its own next step (a sliding-window cache holds fewer entries
+than the sequence once the window is full, a state no synthesized input has).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree
 
 from ..core.text import error_line
 from ..core.trees import detached_clone
@@ -37,9 +44,69 @@ def probe_unvaried_dims(shapes: ShapeModel, eager: Eager, notes: list[str]) -> N
             notes.append(f"{name} kept static: eager rejects {name}={base[name] + 1} ({error})")
 
 
-def acceptor(shapes: ShapeModel, eager: Eager) -> Callable[[str, int], bool]:
-    """``accepts(name, size)``: whether eager runs with variable ``name`` at ``size``."""
-    return lambda name, size: _rejection(shapes, eager, {name: size}) is None
+@dataclass
+class SizeProbe:
+    """Eager (``eager`` runs the model on flat leaves of ``shapes``' calls) at sizes of one variable."""
+
+    shapes: ShapeModel
+    eager: Eager
+
+    def accepts(self, name: str, size: int) -> bool:
+        """Whether eager runs on inputs synthesized with variable ``name`` at ``size``."""
+        return _rejection(self.shapes, self.eager, {name: size}) is None
+
+    def reaches(self, name: str, size: int) -> str | None:
+        """How eager reaches variable ``name`` at ``size`` or past it, said for a reason; ``None``
+        when it does not (a position table, a static cache's length: the model's own limit)."""
+        if self.accepts(name, size):
+            return f"eager runs {name}={size}"
+        return self._next_step(name, size - 1)
+
+    def _next_step(self, name: str, before: int) -> str | None:
+        """From inputs at ``name`` = ``before``, the model's next call on the cache it returned:
+        what the step reaches, where the cache's own sizes part from the variable."""
+        var = next(v for v in self.shapes.variables if v.name == name)
+        slots = {self.shapes.aligned.leaf_slot(leaf) for leaf, _ in var.axes}
+        carried = [slot for slot in slots if slot.spec is not None and not slot.spec.is_leaf()
+                   and slot.spec.type not in (list, tuple, dict)]
+        if not carried:
+            return None
+        try:
+            outputs = self.eager(detached_clone(leaves_at(self.shapes, {name: before})))
+            returned = {slot: _leaves_of(outputs, slot.spec) for slot in carried}
+            if any(leaves is None for leaves in returned.values()):
+                return None
+            after = max(leaves[leaf - slot.start].shape[dim] for slot, leaves in returned.items()
+                        for leaf, dim in var.axes if slot.start <= leaf < slot.stop)
+            if after <= before:  # every layer a sliding window: the cache stays within the bound
+                return None
+            step = leaves_at(self.shapes, {name: after})
+            for slot, leaves in returned.items():
+                step[slot.start : slot.stop] = leaves
+            self.eager(step)
+        except Exception:  # the step past the bound fails: the model's own limit
+            return None
+        apart = sorted({f"{self.shapes.aligned.leaf_names[leaf]} holds {step[leaf].shape[dim]}"
+                        for leaf, dim in var.axes if step[leaf].shape[dim] != after})
+        return f"the model's own next step from {name}={before} reaches {name}={after}" + (
+            f", where {', '.join(apart)}" if apart else "")
+
+
+def _leaves_of(outputs: Any, spec: _pytree.TreeSpec) -> list[Any] | None:
+    """The flat leaves of the first object in ``outputs`` flattening to ``spec`` (the cache a
+    model returns for its next call), or ``None``."""
+    pending = [outputs]
+    while pending:
+        value = pending.pop(0)
+        if isinstance(value, spec.type):
+            leaves, found = _pytree.tree_flatten(value)
+            if found == spec:
+                return leaves
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+    return None
 
 
 def _free_sizes(shapes: ShapeModel) -> dict[str, int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,23 +23,24 @@ from ..core.text import error_line, first_line
 from ..shapes.model import ShapeModel
 from ..shapes.spec import spec_api, to_shapes_spec
 from .domain import program_shapes, static_axes, upper_bounds
+from .probe import SizeProbe
 from .watch import SpecializationWatch, watching
 
 MAX_ATTEMPTS = 4  # exports tried with refined dims before giving up on named dims
 SPEC_NOTE = "dims as a torch ShapesSpec"
 _DEFERRED_ASSERTS = "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(torch.export.export).parameters
-Accepts = Callable[[str, int], bool]  # whether eager runs with a variable at a size
 
 
 class Specialized(Exception):
     """torch.export made a dynamic dim a constant, or bounded it below sizes eager accepts."""
 
-    def __init__(self, shapes: ShapeModel, name: str, what: str, location: str):
+    def __init__(self, shapes: ShapeModel, name: str, what: str, location: str, retrace: bool = True):
         var = next(v for v in shapes.variables if v.name == name)
         axes = ", ".join(f"{shapes.aligned.leaf_names[leaf]}.{dim}" for leaf, dim in var.axes)
         where = f" at {location}" if location else ""
         super().__init__(f"{name} ({axes}, {_why(var.source)}) {what} by torch.export{where}")
         self.name = name
+        self.retrace = retrace  # whether tracing at another size may keep the dim (a pin may; a bound not)
 
 
 @dataclass
@@ -58,14 +59,14 @@ class Example:
 
 def trace(
     module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, notes: list[str],
-    accepts: Accepts,
+    probe: SizeProbe | None,
 ) -> tuple[torch.export.ExportedProgram, str]:
     """``torch.export.export`` of ``module`` on the example with the shape model's named dims,
     refined with torch's suggested fixes, captured as ``torch.onnx.export`` captures (see
     :func:`capturing`).  A dim the program still has as a constant is checked like a suggested
-    constant; a demanded dim torch bounds above is a :class:`Specialized` failure when eager
-    ``accepts`` (variable name, size) the next size.  Returns the program and the form its dims
-    were given in (``ShapesSpec`` or ``Dim``).  Raises :class:`Specialized`, or torch's error."""
+    constant; a demanded dim torch bounds above is a :class:`Specialized` failure when the
+    ``probe`` finds eager reaching a size past the bound.  Returns the program and the form its
+    dims were given in (``ShapesSpec`` or ``Dim``).  Raises :class:`Specialized`, or torch's error."""
     with capturing(), watching() as watch:
         program = _spec_export(module, shapes, example, constants, notes) if spec_api() is not None else None
         form = "Dim" if program is None else "ShapesSpec"
@@ -75,7 +76,7 @@ def trace(
         for axis in static_axes(shapes, example.inputs, read):
             _keep_static(shapes, {axis.variable.name: axis.value}, watch, notes)
         for name, symbol, upper in upper_bounds(shapes, example.inputs, read, program.range_constraints):
-            _check_bound(shapes, example, name, upper, accepts, watch.bound_location(symbol), notes)
+            _check_bound(shapes, name, upper, probe, watch.bound_location(symbol))
         return program, form
 
 
@@ -164,19 +165,14 @@ def _fresh_dispatch(*ops: Any) -> Iterator[None]:
             op._dispatch_cache.clear()
 
 
-def _check_bound(
-    shapes: ShapeModel, example: Example, name: str, upper: int, accepts: Accepts, location: str, notes: list[str],
-) -> None:
-    """A demanded dim torch bounds at or below its size in the example is pinned to what was
-    traced: :class:`Specialized` when eager runs the next size.  A bound above it is the model's
-    limit (``seq <= 128`` of its position table, the length of a static cache): a note."""
-    if not accepts(name, upper + 1):
-        return
-    var = next(v for v in shapes.variables if v.name == name)
-    traced = max((example.leaves[leaf].shape[dim] for leaf, dim in var.axes if leaf in example.inputs), default=0)
-    if upper <= traced:
-        raise Specialized(shapes, name, f"bounded to at most {upper} (eager runs {name}={upper + 1})", location)
-    notes.append(f"torch.export bounds {name} to at most {upper}, though eager runs {name}={upper + 1}")
+def _check_bound(shapes: ShapeModel, name: str, upper: int, probe: SizeProbe | None, location: str) -> None:
+    """A demanded dim torch bounds where the model goes on (eager runs the next size, or the
+    model's own next step reaches past it: a sliding window filled) is :class:`Specialized`: the
+    graph cannot serve what the model does.  A bound eager cannot pass is the model's limit
+    (``seq <= 128`` of its position table, the length of a static cache)."""
+    reached = probe.reaches(name, upper + 1) if probe is not None else None
+    if reached is not None:
+        raise Specialized(shapes, name, f"bounded to at most {upper} ({reached})", location, retrace=False)
 
 
 def suggested_fixes(message: str) -> list[tuple[str, str]]:
