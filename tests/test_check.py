@@ -716,3 +716,39 @@ def test_a_sliding_window_the_tests_never_fill_fails_with_the_bound_and_the_step
     assert (result.verdict, result.stage, result.kind) == ("failed", "torch.export", "specialized")
     assert "past_seq" in result.reason and "bounded to at most 15 (the model's own next step from past_seq=15 " in result.reason
     assert "where past_key_values.key_0 holds 15, past_key_values.value_0 holds 15)" in result.reason
+
+
+def test_a_llava_prefill_keeps_its_image_batch_dynamic_and_serves_unseen_batches(tmp_path: Path) -> None:
+    """LLaVA makes its image features a Python list (one entry per image) and checks the image
+    token count with a tensor condition: export_patches keep the batch dynamic, and the check's
+    leftover nodes are dropped before the ONNX translation."""
+    transformers = pytest.importorskip("transformers")
+    from pytest_exportobs.engine.verify import OnnxRunner
+
+    torch.manual_seed(0)
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8)
+    text = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, pad_token_id=0)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=60, vision_feature_layer=-1)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+
+    def inputs(batch: int, words: int) -> dict[str, torch.Tensor]:
+        ids = torch.cat([torch.randint(3, 60, (batch, 1)), torch.full((batch, 4), 60), torch.randint(3, 60, (batch, words))], 1)
+        return dict(input_ids=ids, pixel_values=torch.randn(batch, 3, 16, 16), attention_mask=torch.ones_like(ids))
+
+    store = SessionStore()
+    with store.observe(model, "llava", ObserveOptions(), "t") as group:
+        for batch, words in ((1, 5), (2, 7), (3, 6)):
+            model(**inputs(batch, words))
+    result = check_model(group, settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"input_ids": {"0": "batch", "1": "seq"}, "pixel_values": {"0": "batch"},
+                           "attention_mask": {"0": "batch", "1": "seq"}}
+    runner = OnnxRunner(Path(result.onnx_path))
+    for batch, words in ((4, 9), (5, 2)):
+        unseen = inputs(batch, words)
+        with torch.no_grad():
+            expected = model(**unseen).logits
+        got = torch.from_numpy(runner(list(unseen.values()))[0])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

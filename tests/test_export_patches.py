@@ -77,3 +77,13 @@ def test_the_patches_are_undone_after_the_block():
     assert all(p is not o for p, o in zip(patched, originals))
     assert current() == originals
     assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
+def test_llava_image_features_are_one_tensor_within_the_block_and_a_list_after():
+    from transformers.models.llava import modeling_llava
+
+    features = torch.randn(3, 4, 8)
+    with export_patches():
+        assert [t.shape for t in modeling_llava.list(features)] == [(12, 8)]
+        assert modeling_llava.list(range(3)) == [0, 1, 2]
+    assert "list" not in vars(modeling_llava)

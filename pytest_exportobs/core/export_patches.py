@@ -15,12 +15,15 @@ Observing ``model.generate(...)`` records calls that ``torch.export.export`` and
 
 :func:`unbacked_cache_lengths` reads a cache's length without testing whether it holds values,
 a data-dependent branch on the unbacked sizes of a ``ShapesSpec`` export (torch >= 2.14).
+:func:`batched_image_features` keeps LLaVA's image batch dynamic (its image features become a
+Python list, one entry per image).
 
 :func:`export_patches` enters them all; the transformers ones only when transformers is imported.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import inspect
 import sys
@@ -38,6 +41,7 @@ def export_patches() -> Iterator[None]:
         if "transformers" in sys.modules:
             stack.enter_context(explicit_attention_masks())
             stack.enter_context(unbacked_cache_lengths())
+            stack.enter_context(batched_image_features())
         yield
 
 
@@ -160,3 +164,27 @@ def _masked_attention(sdpa: Callable[..., Any]) -> Callable[..., Any]:
         return output.transpose(1, 2).contiguous(), None
 
     return attention
+
+
+@contextlib.contextmanager
+def batched_image_features() -> Iterator[None]:
+    """LLaVA's ``get_image_features`` makes its features ``[images, tokens, dim]`` a Python list of
+    one tensor per image, which ``forward`` concatenates again: the list fixes the number of images
+    in a graph (``batch specialized``).  Within the block ``list`` of such a tensor in LLaVA's
+    module is one tensor of every image's tokens, which the concatenation reads the same."""
+    module = sys.modules.get("transformers.models.llava.modeling_llava")
+    if module is None:
+        yield
+        return
+    module.list = _images_as_one
+    try:
+        yield
+    finally:
+        del module.list
+
+
+def _images_as_one(*args: Any) -> list[Any]:
+    """``list``, but a tensor of image features becomes ``[all the images' tokens]``."""
+    if len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].dim() == 3:
+        return [args[0].flatten(0, 1)]
+    return builtins.list(*args)

@@ -318,9 +318,15 @@ def _ir_passes() -> Any:
 
 
 def _decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """torch.onnx's preparation, then the nodes left without users removed: it drops the runtime
+    asserts but not what only they read (transformers' ``torch_compilable_check`` of a tensor
+    condition leaves ``_is_all_true``, which has no ONNX translation)."""
     from torch.onnx._internal.exporter import _core
 
-    return _core._prepare_exported_program_for_export(program, registry=_registry())
+    program = _core._prepare_exported_program_for_export(program, registry=_registry())
+    if program.graph_module.graph.eliminate_dead_code():
+        program.graph_module.recompile()
+    return program
 
 
 def _translate(program: torch.export.ExportedProgram) -> Any:
