@@ -752,3 +752,36 @@ def test_a_llava_prefill_keeps_its_image_batch_dynamic_and_serves_unseen_batches
             expected = model(**unseen).logits
         got = torch.from_numpy(runner(list(unseen.values()))[0])
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+class WaveformClassifier(torch.nn.Module):
+    """Strided convolutions over raw audio, pooled over time: any length from a few hundred samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv1d(1, 8, kernel_size=80, stride=16), torch.nn.ReLU(),
+            torch.nn.Conv1d(8, 8, kernel_size=3), torch.nn.ReLU(), torch.nn.MaxPool1d(4),
+            torch.nn.Conv1d(8, 8, kernel_size=3), torch.nn.ReLU(),
+        )
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, waveform: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(waveform.unsqueeze(1)).mean(-1))
+
+
+def test_a_dim_named_dims_pin_but_unnamed_ones_keep_is_exported_dynamic(tmp_path: Path) -> None:
+    """With a named length torch solves its conv guards for the example's 4000 samples; with
+    Dim.DYNAMIC it keeps a range: the length stays dynamic and the ONNX serves lengths never tested."""
+    from pytest_exportobs.engine.verify import OnnxRunner
+
+    model = WaveformClassifier().eval()
+    calls = [(torch.randn(2, 4000),), (torch.randn(3, 8000),), (torch.randn(1, 16000),)]
+    result = check_model(observed(model, *calls), settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"waveform": {"0": "batch", "1": "waveform_dim1"}}
+    assert "exported with Dim.DYNAMIC dims: with named dims, waveform_dim1 was specialized to 4000" in result.notes
+    runner = OnnxRunner(Path(result.onnx_path))
+    for shape in ((1, 3001), (5, 6000), (2, 12345)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(torch.from_numpy(runner([x])[0]), model(x).detach(), atol=1e-5, rtol=1e-4)

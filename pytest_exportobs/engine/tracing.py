@@ -39,7 +39,7 @@ class Specialized(Exception):
         axes = ", ".join(f"{shapes.aligned.leaf_names[leaf]}.{dim}" for leaf, dim in var.axes)
         where = f" at {location}" if location else ""
         super().__init__(f"{name} ({axes}, {_why(var.source)}) {what} by torch.export{where}")
-        self.name = name
+        self.name, self.what = name, what
         self.retrace = retrace  # whether tracing at another size may keep the dim (a pin may; a bound not)
 
 
@@ -111,7 +111,10 @@ def _export(
         fixes = suggested_fixes(rejection.msg)
         specialized = {name: int(value) for name, value in fixes if re.fullmatch(r"-?\d+", value)}
         if specialized:
-            _keep_static(shapes, specialized, watch, notes)
+            try:
+                _keep_static(shapes, specialized, watch, notes)
+            except Specialized as pinned:
+                return _unnamed_export(module, shapes, example, constants, pinned, notes)
             named = shapes.to_dynamic_shapes(named=True, constants=constants)
             continue
         try:
@@ -124,6 +127,21 @@ def _export(
         "Dim.DYNAMIC dims, torch deriving their ranges"
     )
     return _torch_export(module, example, shapes.to_dynamic_shapes(constants=constants))
+
+
+def _unnamed_export(
+    module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, pinned: Specialized,
+    notes: list[str],
+) -> torch.export.ExportedProgram:
+    """``Dim.DYNAMIC`` dims when torch pins a demanded named dim: named dims make torch solve its
+    guards for one value (a conv stack's ``(w // 16 - 6) == 244``) where unnamed ones keep a range.
+    The pin stands when that export fails too (:func:`trace` still checks what the program keeps)."""
+    try:
+        program = _torch_export(module, example, shapes.to_dynamic_shapes(constants=constants))
+    except Exception:  # torch's own error on the unnamed dims: the pin named dims gave is the reason
+        raise pinned from None
+    notes.append(f"exported with Dim.DYNAMIC dims: with named dims, {pinned.name} was {pinned.what}")
+    return program
 
 
 def _torch_export(module: torch.nn.Module, example: Example, dynamic_shapes: Any) -> torch.export.ExportedProgram:
