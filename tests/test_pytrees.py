@@ -15,12 +15,12 @@ from models import tiny_llama_config  # noqa: E402
 
 from pytest_exportobs.core.trees import spec_children  # noqa: E402
 
-from pytest_exportobs.core.pytrees import (  # noqa: E402
+from pytest_exportobs.core.caches import (  # noqa: E402
     make_dynamic_cache,
     make_encoder_decoder_cache,
     make_static_cache,
-    register_flattening_functions,
 )
+from pytest_exportobs.core.pytrees import register_flattening_functions  # noqa: E402
 
 DYN = Dim.DYNAMIC
 

@@ -170,7 +170,8 @@ def test_unknown_stage_is_an_error(mymodels, tmp_path):
 
 def test_llama_with_dynamic_cache_is_rebuilt_from_its_config(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from pytest_exportobs.core.pytrees import make_dynamic_cache, register_flattening_functions
+    from pytest_exportobs.core.caches import make_dynamic_cache
+    from pytest_exportobs.core.pytrees import register_flattening_functions
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_llama_config()).eval()

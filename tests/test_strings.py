@@ -166,7 +166,7 @@ def test_dataclasses_skip_none_fields():
 @pytest.fixture
 def caches():
     pytest.importorskip("transformers")
-    from pytest_exportobs.core.pytrees import (
+    from pytest_exportobs.core.caches import (
         make_dynamic_cache,
         make_encoder_decoder_cache,
         make_static_cache,

@@ -225,7 +225,8 @@ def test_position_ids_of_decode_steps_stay_arange_like(tmp_path):
 def test_tiny_llama_variations(tmp_path):
     transformers = pytest.importorskip("transformers")
     from pytest_exportobs.engine.export import export_model
-    from pytest_exportobs.core.pytrees import make_dynamic_cache, register_flattening_functions
+    from pytest_exportobs.core.caches import make_dynamic_cache
+    from pytest_exportobs.core.pytrees import register_flattening_functions
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256)).eval()

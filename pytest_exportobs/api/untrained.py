@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers.models.auto import modeling_auto
 
-from ..core.pytrees import make_dynamic_cache, make_encoder_decoder_cache, make_static_cache
+from ..core.caches import make_dynamic_cache, make_encoder_decoder_cache, make_static_cache
 
 BATCH, SEQ, PAST, TOTAL, ENCODER = "batch", "seq", "past_seq", "total_seq", "encoder_seq"
 HEIGHT, WIDTH = "height", "width"
