@@ -9,7 +9,7 @@ import re
 import pytest
 from models import QUICK_CHECK as ARGS, SOURCE as MODELS, junit_cases
 
-from pytest_exportobs.plugin.xdist import WATCH_GROUP, placement
+from pytest_exportobs.plugin.xdist import placement
 
 CONFTEST = '''
 import os
@@ -110,7 +110,7 @@ def workers(suite: pytest.Pytester) -> dict[str, str]:
     return dict(line.split() for line in (suite.path / "workers.txt").read_text().splitlines())
 
 
-def test_placement_groups_the_tests_of_a_model_and_all_watch_tests(suite: pytest.Pytester) -> None:
+def test_placement_groups_the_tests_of_a_marked_model(suite: pytest.Pytester) -> None:
     items = suite.getitems(suite.path / "test_models.py")
     groups = {item.name: group for item, group in ((i, placement(items).get(i.nodeid)) for i in items)}
     assert groups == {
@@ -118,8 +118,8 @@ def test_placement_groups_the_tests_of_a_model_and_all_watch_tests(suite: pytest
         # the encoder shares a test with the scorer: one group, named after the first of them
         "test_scorer": "exportobs:encoder", "test_scorer_and_encoder": "exportobs:encoder",
         "test_encoder_long": "exportobs:encoder",
-        "test_watched": f"exportobs:{WATCH_GROUP}", "test_watched_again": f"exportobs:{WATCH_GROUP}",
-        **{f"test_plain[{n}]": None for n in range(4)},
+        # watch() names its model at run time: spread as --dist load spreads it, observations pooled
+        "test_watched": None, "test_watched_again": None, **{f"test_plain[{n}]": None for n in range(4)},
     }
 
 
@@ -130,9 +130,12 @@ def test_xdist_places_each_model_on_one_worker_and_spreads_the_models(suite: pyt
     assert serial_cases == cases == expected
     assert verdicts_and_dims(models) == verdicts_and_dims(serial)
     assert verdicts_and_dims(models)["classifier"] == ("passed", {"x": {"0": "batch"}})
+    assert {name: m["n_observations"] for name, m in models.items()} == {
+        name: m["n_observations"] for name, m in serial.items()}
     ran_on = workers(suite)
     for name, tests in MODEL_TESTS.items():
-        assert len({ran_on[t] for t in tests}) == 1, (name, ran_on)
+        if name != "watched":
+            assert len({ran_on[t] for t in tests}) == 1, (name, ran_on)
     assert {ran_on[t] for tests in MODEL_TESTS.values() for t in tests} == {"gw0", "gw1"}
 
 
@@ -181,3 +184,78 @@ def test_a_model_whose_collected_tests_did_not_observe_it_is_missing(
         "exportobs gate: ok (0 passed, 1 missing, 0 regressions); 3 baseline models not collected here",
         "SKIPPED [[]1[]] exportobs: encoder: in the baseline but not observed",
     ])
+
+
+TAGGER = '''
+import torch
+
+class Tagger(torch.nn.Module):
+    """A token classifier: the suite builds it at two widths."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, hidden)
+        self.head = torch.nn.Linear(hidden, 3)
+
+    def forward(self, input_ids, attention_mask=None):
+        hidden = self.embed(input_ids)
+        if attention_mask is not None:
+            hidden = hidden * attention_mask.unsqueeze(-1)
+        return self.head(hidden)
+'''
+
+# No marker, no watch(): --export-observe finds the models; the two widths alternate in file order.
+TAGGER_TESTS = '''
+import os, time
+import pytest, torch
+from tagger import Tagger
+
+@pytest.fixture(scope="module")
+def narrow():
+    return Tagger(8).eval()
+
+@pytest.fixture(scope="module")
+def wide():
+    return Tagger(16).eval()
+
+CALLS = [(2, 5), (3, 7), (1, 9), (4, 6), (2, 11), (5, 4)]
+
+def record(name):
+    time.sleep(0.3)
+    with open("workers.txt", "a") as f:
+        f.write(f"{name} {os.environ.get('PYTEST_XDIST_WORKER', 'main')}\\n")
+
+def make_test(fixture, batch, seq):
+    def test(request):
+        model = request.getfixturevalue(fixture)
+        ids = torch.randint(0, 50, (batch, seq))
+        mask = torch.ones(batch, seq)
+        assert model(ids, attention_mask=mask).shape == (batch, seq, 3)
+        record(request.node.name)
+    return test
+
+for i, (batch, seq) in enumerate(CALLS):
+    globals()[f"test_narrow_{i}"] = make_test("narrow", batch, seq)
+    globals()[f"test_wide_{i}"] = make_test("wide", batch, seq)
+'''
+
+
+def test_auto_observed_tests_spread_over_the_workers_and_each_model_is_checked_once_on_every_call(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(tagger=TAGGER, test_tagger=TAGGER_TESTS)
+    pytester.syspathinsert()
+    observe = ("--export-observe", "tagger.Tagger")
+    serial_cases, serial = run(pytester, *observe)
+    cases, models = run(pytester, *observe, "-n", "2")
+    assert cases == serial_cases
+    assert {k: v for k, v in cases.items() if k.startswith("exportobs::")} == {
+        f"exportobs::{name}": "passed" for name in serial}
+    assert len(serial) == 2 and all(name.startswith("Tagger[Tagger-") for name in serial)
+    assert verdicts_and_dims(models) == verdicts_and_dims(serial)
+    for model in models.values():  # every worker's calls reached the check: both dims vary
+        assert model["n_observations"] == 6
+        assert model["graphs"][0]["dims"]["input_ids"] == {"0": "batch", "1": "seq"}, model
+    ran_on = workers(pytester)
+    for width in ("narrow", "wide"):
+        assert {ran_on[f"test_{width}_{i}"] for i in range(6)} == {"gw0", "gw1"}

@@ -239,14 +239,30 @@ class CallRecorder:
         except Exception as e:
             self._count_failed(e)
         else:
-            self._by_key[key] = observation
-            structure, sizes = key
-            if structure in self._structures:
-                self._structures[structure].add(sizes)
-            else:
-                self._structures[structure] = _SizesSeen(sizes)
-            self.observations.append(observation)
-            self.counts.stored += 1
+            self._store(key, observation)
+
+    def absorb(self, observation: Observation, ordinary: int) -> None:
+        """Add a call another process recorded, as a block of this recorder would store it: a new
+        signature while fewer than ``ordinary`` calls are stored, or one adding information
+        within the capacity; a known signature counts its calls."""
+        with flattening_context():
+            key = call_signature(observation.args, observation.kwargs)
+        known = self._by_key.get(key)
+        if known is not None:
+            known.calls += observation.calls
+        elif len(self.observations) < ordinary or (
+                len(self.observations) < self.capacity and self._adds_information(key)):
+            self._store(key, observation)
+
+    def _store(self, key: tuple, observation: Observation) -> None:
+        self._by_key[key] = observation
+        structure, sizes = key
+        if structure in self._structures:
+            self._structures[structure].add(sizes)
+        else:
+            self._structures[structure] = _SizesSeen(sizes)
+        self.observations.append(observation)
+        self.counts.stored += 1
 
     def _stores(self, key: tuple) -> bool:
         """The storing decision: a call is stored when its signature is new and an open block

@@ -148,6 +148,15 @@ class SessionStore:
                                        parameters=parameter_shapes(module))
         return self.groups[name]
 
+    def keys(self) -> dict[str, tuple[str, str]]:
+        """``{group name: (base name, identity)}``: what identifies a group across processes."""
+        return {name: (base, ident) for base, members in self._by_base.items() for ident, name in members.items()}
+
+    def rename(self, name: str, new_name: str) -> None:
+        """Give group ``name`` the name a wider view (the pooled workers) gives it."""
+        if new_name != name:
+            self._rename(*self.keys()[name], new_name)
+
     def _rename(self, base: str, ident: str, new_name: str) -> None:
         group = self.groups.pop(self._by_base[base][ident])
         self.renamed[group.name] = new_name

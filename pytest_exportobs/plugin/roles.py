@@ -1,7 +1,8 @@
 """The plugin's role in this process, chosen once at configure (as pytest-cov does):
 
 * :class:`LocalRole`: no xdist workers; observes the tests, checks the models, concludes;
-* :class:`WorkerRole`: an xdist worker; observes, checks its models, sends JSON results;
+* :class:`WorkerRole`: an xdist worker; observes, pools its observations with the other
+  workers, checks the models it claims, sends JSON results;
 * :class:`ControllerRole`: the xdist controller; runs no test, merges the workers' results, concludes.
 
 Each role is a plugin object registered at configure and unregistered at unconfigure; its hooks
@@ -14,7 +15,7 @@ during the tests no model is checked at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -22,8 +23,9 @@ import pytest
 from ..engine.result import INTERRUPTED, ModelResult
 from . import xdist
 from .conclusion import Concluding, incomplete, progress_writer
-from .observing import ANNOUNCED_PROPERTY, OBSERVED_PROPERTY, Observing, auto_observes
+from .observing import ANNOUNCED_PROPERTY, OBSERVED_PROPERTY, Observing
 from .options import Options
+from .pooling import Pool, claimed, mark_down, offered
 
 
 def _check(
@@ -59,7 +61,8 @@ class LocalRole(Observing, Concluding):
 
 
 class WorkerRole(Observing):
-    """An xdist worker: checks the models observed here and sends the results to the controller.
+    """An xdist worker: pools its observations with the other workers (:mod:`.pooling`), checks
+    the models it claims and sends the results to the controller.
 
     A usage error of ``--export-observe`` (found here: the controller never imports torch) is
     sent to the controller, which reports it; the worker runs no test meanwhile."""
@@ -67,9 +70,12 @@ class WorkerRole(Observing):
     def __init__(self, config: pytest.Config, options: Options):
         super().__init__(options)
         self.config = config
+        self.pool = Pool.of(config)
         self.usage_error: str | None = None
 
     def pytest_sessionstart(self) -> None:
+        if self.pool is not None:
+            self.pool.join()
         try:
             self.resolve_observed_classes()
         except ValueError as e:  # raised on a worker, a UsageError would be a traceback, not a usage error
@@ -81,7 +87,7 @@ class WorkerRole(Observing):
 
     @pytest.hookimpl(tryfirst=True)  # before xdist's sends the collection to the controller
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        xdist.write_placement(self.config, session.items, lambda item: auto_observes(item, self.options))
+        xdist.write_placement(self.config, session.items)
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         xdist.announce(item)
@@ -89,11 +95,30 @@ class WorkerRole(Observing):
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.stop_observing()
-        results = _check(session, self.groups(), self.options, progress=None)
+        notes = self.auto_notes()
+        groups: Iterable[Any] = self.groups()
+        if self.pool is not None:
+            self.pool.offer(self._store)
+            notes += self.pool.wait()
+            groups = self.pool.claims(self._store)
+        results = [result for batch in _batches(groups, self.options.jobs)
+                   for result in _check(session, batch, self.options, progress=None)]
         self.config.workeroutput[xdist.OUTPUT_KEY] = {
-            "results": [r.to_json() for r in results], "notes": self.auto_notes(), "usage_error": self.usage_error,
+            "results": [r.to_json() for r in results], "notes": notes, "usage_error": self.usage_error,
             "renamed": self.renamed(),
         }
+
+
+def _batches(groups: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """``groups`` in lists of ``size`` (``--export-jobs`` checks at once), taken as they come."""
+    batch: list[Any] = []
+    for group in groups:
+        batch.append(group)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 class ControllerRole(Concluding):
@@ -103,73 +128,82 @@ class ControllerRole(Concluding):
 
     def __init__(self, config: pytest.Config, options: Options):
         super().__init__(config, options)
-        self.observed: set[str] = set()  # group names seen in test reports
-        self.observed_on: dict[str, set[str]] = {}  # group name -> workers that observed (or announced) it
+        self.reported: set[tuple[str, str]] = set()  # (worker, group name) from OBSERVED properties
+        self.announced: set[tuple[str, str]] = set()  # ... from OBSERVED and ANNOUNCED properties
+        self.renamed: dict[str, dict[str, str]] = {}  # worker -> its names tests recorded -> final names
         self.crashed: set[str] = set()  # workers that went down with an error
+        self.unpooled: set[str] = set()  # ... before pooling their observations: those are lost
         self.checked_on: dict[str, str] = {}  # group name -> worker that sent its result
         self.collected: set[str] = set()  # the node ids the workers collected
-        self.placement = xdist.placement_directory(config)
+        self.shared = xdist.shared_directory(config)
         self.usage_error: str | None = None  # a worker's: --export-observe names no class it can import
 
     @pytest.hookimpl(optionalhook=True, tryfirst=True)
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
-        return None if self.placement is None else xdist.make_scheduler(config, log, self.placement)
+        return xdist.make_scheduler(config, log, self.shared) if xdist.schedules(config) else None
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(self, node: Any) -> None:
-        if self.placement is not None:
-            xdist.configure_node(node, self.placement)
+        xdist.configure_node(self.config, node, self.shared)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
         self.collected.update(ids)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        worker = xdist.worker_of(report)
+        worker = xdist.worker_of(report) or ""
         for key, name in report.user_properties:
             if key == OBSERVED_PROPERTY:
-                self.observed.add(name)
-            if key in (OBSERVED_PROPERTY, ANNOUNCED_PROPERTY) and worker is not None:
-                self.observed_on.setdefault(name, set()).add(worker)
+                self.reported.add((worker, name))
+            if key in (OBSERVED_PROPERTY, ANNOUNCED_PROPERTY):
+                self.announced.add((worker, name))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        worker = node.gateway.id
+        mark_down(self.shared / "pool", worker)
         if error is not None:
-            self.crashed.add(node.gateway.id)
+            self.crashed.add(worker)
+            if not offered(self.shared / "pool", worker):
+                self.unpooled.add(worker)
         output = getattr(node, "workeroutput", {}).get(xdist.OUTPUT_KEY)
-        self._merge(output, node.gateway.id)
+        self._merge(output or {}, worker)
 
-    def _merge(self, output: dict[str, Any] | None, worker: str) -> None:
+    def _merge(self, output: dict[str, Any], worker: str) -> None:
         """Merge a worker's results; a model checked on two workers is incomplete, not guessed."""
-        self.usage_error = self.usage_error or (output or {}).get("usage_error")
-        for old, new in (output or {}).get("renamed", {}).items():  # a split after tests recorded the name
-            if old in self.observed:
-                self.observed.discard(old)
-                self.observed.add(new)
-            workers = self.observed_on.pop(old, None)
-            if workers is not None:
-                self.observed_on.setdefault(new, set()).update(workers)
-        self.notes += [note for note in (output or {}).get("notes", []) if note not in self.notes]
-        for data in (output or {}).get("results", []):
+        self.usage_error = self.usage_error or output.get("usage_error")
+        self.renamed[worker] = output.get("renamed", {})
+        self.notes += [note for note in output.get("notes", []) if note not in self.notes]
+        for data in output.get("results", []):
             result = ModelResult.from_json(data)
             first = self.checked_on.setdefault(result.name, worker)
             if first != worker:
-                result = incomplete(result.name, f"observed on workers {first} and {worker}: "
-                                    "the observations of one model must stay on one worker (under "
-                                    "--dist load the tests whose markers name it do; a model also "
-                                    "observed through watch() can be split)")
+                result = incomplete(result.name, f"checked on workers {first} and {worker}: the pooled "
+                                    "observations of one model are checked once (workers on other "
+                                    "hosts share no directory)")
             self.results[result.name] = result
+
+    def _final(self, worker: str, name: str) -> str:
+        """The name of the group a test on ``worker`` recorded as ``name`` (a split or the pool renames)."""
+        return self.renamed.get(worker, {}).get(name, name)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.usage_error is not None:
             raise pytest.UsageError(self.usage_error)  # pytest prints it and exits with code 4
-        for name, workers in sorted(self.observed_on.items()):
-            lost = sorted(workers & self.crashed)
-            if lost:
-                self.results[name] = incomplete(name, f"observed on worker {', '.join(lost)}, which crashed: "
-                                                      "its observations are lost")
-        self.conclude(session, self.observed, self.collected)
+        lost: dict[str, set[str]] = {}
+        for worker, name in self.announced:
+            if worker in self.unpooled:
+                lost.setdefault(self._final(worker, name), set()).add(worker)
+        for name, workers in sorted(lost.items()):
+            self.results[name] = incomplete(name, f"observed on worker {', '.join(sorted(workers))}, which "
+                                                  "crashed: its observations are lost")
+        for name, worker in claimed(self.shared / "pool").items():
+            if worker in self.crashed and name not in self.results:
+                self.results[name] = incomplete(name, f"worker {worker} crashed while checking it (a native "
+                                                      "crash: --export-isolate makes it the model's failure)")
+        observed = {self._final(worker, name) for worker, name in self.reported}
+        self.conclude(session, observed, self.collected)
 
 
 def choose_role(config: pytest.Config, options: Options) -> LocalRole | WorkerRole | ControllerRole:

@@ -1,31 +1,31 @@
-"""pytest-xdist support: one worker per model, results brought to the controller.
+"""pytest-xdist support: the tests of a marked model on one worker, results brought to the controller.
 
-The observations of one model must all reach the process that checks it, while different models
-may go to different workers, which check them at the same time.  On the controller the plugin
-replaces ``--dist load`` (the default) with :class:`~.scheduling.ModelScheduling`, which sends
-the tests of one *placement group* to one worker.  Each worker computes the groups from its
-collection — the tests whose markers name a common model, merged transitively; every test that
-calls ``export_observer.watch()`` or in which ``--export-observe`` may observe (its models are
-known only when it runs) in one group — and writes them to a directory the controller passed in
-``workerinput``.  Node ids are left as they are.
+The controller shares a directory with the workers (named in ``workerinput``).  Under
+``--dist load`` (the default) the plugin replaces xdist's scheduler with
+:class:`~.scheduling.ModelScheduling`, which sends the tests of one *placement group* to one
+worker: the tests whose markers name a common model, merged transitively, which each worker
+computes from its collection and writes to that directory.  Every other test (those observing
+through ``export_observer.watch()`` or ``--export-observe``, whose models are known only when
+they run) is spread as ``--dist load`` spreads it, and the observations of a model made on
+several workers are pooled (:mod:`.pooling`).  Node ids are left as they are.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ..core.files import json_text, write_atomic
-from .observing import ANNOUNCED_PROPERTY, marked_names, watches
+from .observing import ANNOUNCED_PROPERTY, marked_names
+from .pooling import POOL_KEY
 
 PLACEMENT_KEY = "exportobs_placement"  # workerinput: the directory the workers write their placement to
 OUTPUT_KEY = "exportobs"  # workeroutput: the worker's JSON results
-WATCH_GROUP = "watch()"  # the placement group of the tests whose models are named at run time
 
 
 def is_worker(config: pytest.Config) -> bool:
@@ -37,14 +37,18 @@ def is_controller(config: pytest.Config) -> bool:
     return config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") != "no"
 
 
-def placement_directory(config: pytest.Config) -> Path | None:
-    """With ``--dist load``, a new directory for the workers' placement (removed at the end of
-    the session); ``None`` under any other ``--dist``, the user's choice."""
-    if config.option.dist != "load":
-        return None
-    directory = Path(tempfile.mkdtemp(prefix="exportobs-placement-"))
+def shared_directory(config: pytest.Config) -> Path:
+    """A new directory the workers write their placement and pool their observations in
+    (removed at the end of the session)."""
+    directory = Path(tempfile.mkdtemp(prefix="exportobs-xdist-"))
+    (directory / "pool").mkdir()
     config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
     return directory
+
+
+def schedules(config: pytest.Config) -> bool:
+    """Whether the plugin places the tests: under ``--dist load``; any other is the user's choice."""
+    return config.option.dist == "load"
 
 
 def make_scheduler(config: pytest.Config, log: Any, directory: Path) -> Any:
@@ -53,23 +57,22 @@ def make_scheduler(config: pytest.Config, log: Any, directory: Path) -> Any:
     return ModelScheduling(config, log, directory)
 
 
-def configure_node(node: Any, directory: Path) -> None:
-    node.workerinput[PLACEMENT_KEY] = str(directory)
+def configure_node(config: pytest.Config, node: Any, directory: Path) -> None:
+    node.workerinput[POOL_KEY] = str(directory / "pool")
+    if schedules(config):
+        node.workerinput[PLACEMENT_KEY] = str(directory)
 
 
-def write_placement(config: pytest.Config, items: Iterable[pytest.Item],
-                    auto: Callable[[pytest.Item], bool] | None = None) -> None:
-    """Write the placement group of every observing test, when the controller asked for it."""
+def write_placement(config: pytest.Config, items: Iterable[pytest.Item]) -> None:
+    """Write the placement group of every marked test, when the controller asked for it."""
     directory = config.workerinput.get(PLACEMENT_KEY)
     if directory is not None:
-        write_atomic(Path(directory, f"{config.workerinput['workerid']}.json"), json_text(placement(items, auto)))
+        write_atomic(Path(directory, f"{config.workerinput['workerid']}.json"), json_text(placement(items)))
 
 
-def placement(items: Iterable[pytest.Item], auto: Callable[[pytest.Item], bool] | None = None) -> dict[str, str]:
-    """``{node id: group}`` for the tests that observe: tests naming a common model share a
-    group (named after its first model in sorted order), and so do all tests calling ``watch()``
-    and all tests ``auto`` says ``--export-observe`` may observe models in (their models are
-    known only when they run)."""
+def placement(items: Iterable[pytest.Item]) -> dict[str, str]:
+    """``{node id: group}`` for the tests whose markers name models: tests naming a common model
+    share a group (named after its first model in sorted order)."""
     parent: dict[str, str] = {}
 
     def root(name: str) -> str:
@@ -77,9 +80,7 @@ def placement(items: Iterable[pytest.Item], auto: Callable[[pytest.Item], bool] 
             name = parent[name]
         return name
 
-    runtime = auto or (lambda item: False)
-    keys = {item.nodeid: marked_names(item) + ([WATCH_GROUP] if watches(item) or runtime(item) else [])
-            for item in items}
+    keys = {item.nodeid: marked_names(item) for item in items}
     for names in keys.values():
         for name in names:
             parent[root(name)] = root(names[0])

@@ -1,0 +1,117 @@
+"""Pooling the observations of xdist workers, in process: two workers' stores in one directory,
+the names one process would give, exclusive claims, bounded absorption, silent workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_exportobs.core.caches import make_dynamic_cache
+from pytest_exportobs.core.pytrees import register_flattening_functions
+from pytest_exportobs.observe.pool import FOREIGN_INSTANCE, pooled_names
+from pytest_exportobs.observe.store import MAX_OBSERVATIONS, MAX_ORDINARY, ObserveOptions, SessionStore, identity
+from pytest_exportobs.plugin import pooling
+from pytest_exportobs.plugin.pooling import Pool, mark_down
+
+
+def observe(store: SessionStore, module: torch.nn.Module, *batches: int, test: str = "t") -> None:
+    for batch in batches:
+        with store.observe(module, type(module).__qualname__, ObserveOptions(), test):
+            module(torch.randn(batch, module.in_features))
+
+
+def worker(directory: Path, name: str) -> Pool:
+    pool = Pool(directory, name)
+    pool.join()
+    return pool
+
+
+def test_two_workers_pool_their_calls_and_each_model_is_checked_once(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    gw0, gw1 = worker(tmp_path, "gw0"), worker(tmp_path, "gw1")
+    store0, store1 = SessionStore(), SessionStore()
+    shared0, shared1 = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)  # one model, built on each worker
+    wide = torch.nn.Linear(8, 2)  # only on gw1: same class name, other parameters
+    observe(store0, shared0, 2, 3, test="test_a")
+    observe(store1, shared1, 3, 5, test="test_b")  # batch 3 again: one signature
+    observe(store1, wide, 4, test="test_c")
+    assert sorted(store1.groups) == [f"Linear[{identity(shared1)}]", f"Linear[{identity(wide)}]"]
+    assert sorted(store0.groups) == ["Linear"]  # gw0 saw one Linear: unsuffixed there
+
+    gw0.offer(store0)
+    gw1.offer(store1)
+    assert gw0.wait() == gw1.wait() == []
+    first = list(gw0.claims(store0))
+    second = list(gw1.claims(store1))
+
+    shared_name, wide_name = f"Linear[{identity(shared0)}]", f"Linear[{identity(wide)}]"
+    assert [g.name for g in first] == [shared_name]  # claimed by the first to ask
+    assert [g.name for g in second] == [wide_name]  # the shared model was claimed already
+    assert store0.renamed == {"Linear": shared_name}  # what gw0's tests recorded -> the pooled name
+    group = first[0]
+    assert group.module is shared0
+    calls = [(tuple(o.args[0].shape), o.instance == id(shared0), o.calls) for o in group.recorder.observations]
+    assert calls == [((2, 4), True, 1), ((3, 4), True, 2), ((5, 4), False, 1)]
+    assert group.sources == ["test_a", "test_b"]
+    assert not group.is_reference_valid(FOREIGN_INSTANCE, group.recorder.observations[2].weights_version)
+
+
+def test_absorbed_calls_keep_the_session_bound_and_caches_round_trip(tmp_path: Path) -> None:
+    gw0, gw1 = worker(tmp_path, "gw0"), worker(tmp_path, "gw1")
+    store0, store1 = SessionStore(), SessionStore()
+    model0, model1 = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    observe(store0, model0, *range(2, 2 + MAX_OBSERVATIONS))
+    observe(store1, model1, *range(100, 100 + MAX_OBSERVATIONS))
+    with store1.observe(model1, "Linear", ObserveOptions(), "test_sequences"):
+        model1(torch.randn(2, 7, 4))  # a new input structure: information gw0 lacks
+    assert store0.groups["Linear"].recorder.num_obs() == MAX_ORDINARY  # one axis varied: ordinary calls only
+    gw0.offer(store0)
+    gw1.offer(store1)
+    gw0.wait()
+    (group,) = gw0.claims(store0)
+    shapes = [tuple(o.args[0].shape) for o in group.recorder.observations]
+    assert shapes == [(b, 4) for b in range(2, 2 + MAX_ORDINARY)] + [(2, 7, 4)]  # gw1's new batches add nothing
+    assert group.recorder.observations[0].calls == 1 and "test_sequences" in group.sources
+
+    pytest.importorskip("transformers")
+    cache = make_dynamic_cache([(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))])
+    with register_flattening_functions():
+        store = SessionStore()
+        keeper = CacheReader()
+        with store.observe(keeper, "CacheReader", ObserveOptions(), "t"):
+            keeper(torch.randn(1, 4), cache)
+        (tmp_path / "caches").mkdir()
+        worker(tmp_path / "caches", "gw0").offer(store)
+        saved = Pool(tmp_path / "caches", "gw1")._saved_by("gw0")
+    ((key, group),) = saved.items()
+    assert key == ("CacheReader", identity(keeper))
+    restored = group.observations[0].args[1]
+    assert type(restored).__name__ == "DynamicCache"
+    torch.testing.assert_close(restored.layers[0].keys, cache.layers[0].keys)
+
+
+class CacheReader(torch.nn.Module):
+    def forward(self, x: torch.Tensor, cache: object) -> torch.Tensor:
+        return x + cache.layers[0].keys.sum()
+
+
+def test_a_worker_that_went_down_is_not_waited_for_and_a_silent_one_only_until_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gw0, _ = worker(tmp_path, "gw0"), worker(tmp_path, "gw1")
+    worker(tmp_path, "gw2")
+    gw0.offer(None)
+    mark_down(tmp_path, "gw1")  # crashed: the controller says so
+    now = iter([0.0, 1.0, pooling.WAIT_SECONDS + 1])
+    monkeypatch.setattr(pooling, "_POLL_SECONDS", 0.0)
+    assert gw0.wait(clock=lambda: next(now)) == [
+        f"exportobs: worker(s) gw2 wrote no observations within {pooling.WAIT_SECONDS:g} s; "
+        "the models were checked without them"]
+    assert list(gw0.claims(None)) == []
+
+
+def test_pooled_names_split_a_base_name_only_when_several_identities_share_it() -> None:
+    assert pooled_names([("lm", "A-1"), ("Bert", "B-2"), ("lm", "A-1"), ("Bert", "B-3")]) == {
+        ("lm", "A-1"): "lm", ("Bert", "B-2"): "Bert[B-2]", ("Bert", "B-3"): "Bert[B-3]"}
