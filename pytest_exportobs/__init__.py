@@ -17,6 +17,7 @@ _PUBLIC = {  # public name -> module defining it
     "Observation": "observe.recorder",
     "string_type": "core.strings",
     "register_flattening_functions": "core.pytrees",
+    "load_program": "core.programs",
     "make_dynamic_cache": "core.caches",
     "export_patches": "core.export_patches",
     "make_encoder_decoder_cache": "core.caches",

@@ -3,6 +3,7 @@ the names one process would give, exclusive claims, bounded absorption, silent w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,16 @@ from pytest_exportobs.plugin import pooling
 from pytest_exportobs.plugin.pooling import Pool, mark_down
 
 
-def observe(store: SessionStore, module: torch.nn.Module, *batches: int, test: str = "t") -> None:
+def observe(store: SessionStore, module: torch.nn.Module, *batches: int, test: str = "test") -> None:
+    """One test per batch, named ``<test>[<batch>]``."""
     for batch in batches:
-        with store.observe(module, type(module).__qualname__, ObserveOptions(), test):
+        with store.observe(module, type(module).__qualname__, ObserveOptions(), f"{test}[{batch}]"):
             module(torch.randn(batch, module.in_features))
+
+
+def collection_order(*tests: str) -> Callable[[str], int]:
+    """The position of each test's node id, as a worker reads it from the session's items."""
+    return {test: index for index, test in enumerate(tests)}.__getitem__
 
 
 def worker(directory: Path, name: str) -> Pool:
@@ -43,8 +50,9 @@ def test_two_workers_pool_their_calls_and_each_model_is_checked_once(tmp_path: P
     gw0.offer(store0)
     gw1.offer(store1)
     assert gw0.wait() == gw1.wait() == []
-    first = list(gw0.claims(store0))
-    second = list(gw1.claims(store1))
+    order = collection_order("test_a[2]", "test_a[3]", "test_b[3]", "test_b[5]", "test_c[4]")
+    first = list(gw0.claims(store0, order))
+    second = list(gw1.claims(store1, order))
 
     shared_name, wide_name = f"Linear[{identity(shared0)}]", f"Linear[{identity(wide)}]"
     assert [g.name for g in first] == [shared_name]  # claimed by the first to ask
@@ -54,7 +62,7 @@ def test_two_workers_pool_their_calls_and_each_model_is_checked_once(tmp_path: P
     assert group.module is shared0
     calls = [(tuple(o.args[0].shape), o.instance == id(shared0), o.calls) for o in group.recorder.observations]
     assert calls == [((2, 4), True, 1), ((3, 4), True, 2), ((5, 4), False, 1)]
-    assert group.sources == ["test_a", "test_b"]
+    assert group.sources == ["test_a[2]", "test_a[3]", "test_b[3]", "test_b[5]"]
     assert not group.is_reference_valid(FOREIGN_INSTANCE, group.recorder.observations[2].weights_version)
 
 
@@ -62,18 +70,26 @@ def test_absorbed_calls_keep_the_session_bound_and_caches_round_trip(tmp_path: P
     gw0, gw1 = worker(tmp_path, "gw0"), worker(tmp_path, "gw1")
     store0, store1 = SessionStore(), SessionStore()
     model0, model1 = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
-    observe(store0, model0, *range(2, 2 + MAX_OBSERVATIONS))
-    observe(store1, model1, *range(100, 100 + MAX_OBSERVATIONS))
+    # gw1 ran the first tests of the suite, gw0 the later ones: as one process, gw1's calls come first
+    observe(store1, model1, *range(100, 100 + MAX_OBSERVATIONS), test="test_early")
     with store1.observe(model1, "Linear", ObserveOptions(), "test_sequences"):
         model1(torch.randn(2, 7, 4))  # a new input structure: information gw0 lacks
+    observe(store0, model0, *range(2, 2 + MAX_OBSERVATIONS), test="test_late")
     assert store0.groups["Linear"].recorder.num_obs() == MAX_ORDINARY  # one axis varied: ordinary calls only
     gw0.offer(store0)
     gw1.offer(store1)
     gw0.wait()
-    (group,) = gw0.claims(store0)
+    order = collection_order(*(f"test_early[{b}]" for b in range(100, 100 + MAX_OBSERVATIONS)), "test_sequences",
+                             *(f"test_late[{b}]" for b in range(2, 2 + MAX_OBSERVATIONS)))
+    (group,) = gw0.claims(store0, order)
     shapes = [tuple(o.args[0].shape) for o in group.recorder.observations]
-    assert shapes == [(b, 4) for b in range(2, 2 + MAX_ORDINARY)] + [(2, 7, 4)]  # gw1's new batches add nothing
-    assert group.recorder.observations[0].calls == 1 and "test_sequences" in group.sources
+    # gw1's first 24 tests fill the ordinary room, its new structure adds information, and of gw0's
+    # only the batch equal to the features (a new pattern of equal sizes)
+    assert shapes == [(b, 4) for b in range(100, 100 + MAX_ORDINARY)] + [(2, 7, 4), (4, 4)]
+    assert [o.instance == FOREIGN_INSTANCE for o in group.recorder.observations] == [True] * 25 + [False]
+    kept = (MAX_ORDINARY + 1) + MAX_ORDINARY  # what each worker's own bound let it keep
+    assert (group.recorder.counts.stored, group.recorder.counts.dropped) == (26, kept - 26)
+    assert group.module is model0 and group.sources[0] == "test_early[100]" and group.sources[-1] == "test_late[33]"
 
     pytest.importorskip("transformers")
     cache = make_dynamic_cache([(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))])
@@ -109,7 +125,7 @@ def test_a_worker_that_went_down_is_not_waited_for_and_a_silent_one_only_until_t
     assert gw0.wait(clock=lambda: next(now)) == [
         f"exportobs: worker(s) gw2 wrote no observations within {pooling.WAIT_SECONDS:g} s; "
         "the models were checked without them"]
-    assert list(gw0.claims(None)) == []
+    assert list(gw0.claims(None, collection_order())) == []
 
 
 def test_pooled_names_split_a_base_name_only_when_several_identities_share_it() -> None:

@@ -131,12 +131,20 @@ def export_model(
         _to_onnx(stages, program, names, onnx_path, outcome)
         outcome.dims = _onnx_dims(shapes, onnx_path, outcome)
         if key is not None:
-            entry = CacheEntry(outcome.opset, outcome.op_counts, outcome.notes, outcome.refinements, outcome.outputs)
-            with writing("onnx-checker", f"the export cache {cache.directory}"):
-                cache.store(key, onnx_path, entry)
+            _store_cached(cache, key, onnx_path, outcome)
     except StageFailed:
         pass
     return outcome
+
+
+def _store_cached(cache: ExportCache, key: str, onnx_path: Path, outcome: ExportOutcome) -> None:
+    """Keep the export for the next run; a cache that cannot be written costs that run its speed,
+    not this model its verdict (a note)."""
+    entry = CacheEntry(outcome.opset, outcome.op_counts, outcome.notes, outcome.refinements, outcome.outputs)
+    try:
+        cache.store(key, onnx_path, entry)
+    except OSError as e:
+        outcome.notes.append(f"the export cache {cache.directory} cannot be written ({e}): the next run exports again")
 
 
 def _trace(

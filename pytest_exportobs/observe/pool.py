@@ -8,7 +8,8 @@ in the pool is the one a single process observing every call would give it (:fun
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,13 +42,27 @@ def load(path: Path) -> dict[Key, SavedGroup]:
     return torch.load(path, weights_only=False)
 
 
-def absorb(group: ModelGroup, saved: SavedGroup) -> None:
-    """Add another process's calls of ``group``'s model as a further test of this process would
-    have added them; their recorded outputs are no reference (made on another instance)."""
-    for observation in saved.observations:
-        observation.instance = FOREIGN_INSTANCE
-        group.recorder.absorb(observation, ordinary=MAX_ORDINARY)
-    group.sources.extend(source for source in saved.sources if source not in group.sources)
+def absorb(group: ModelGroup, others: Iterable[SavedGroup], position: Callable[[str], int]) -> None:
+    """Store the calls of ``group`` and those other processes saw of its model as one process
+    running the tests in collection order (``position`` of a test's node id) would have: test by
+    test, each a block of ``store_n_calls`` under the session bound.  Calls of other processes
+    are no reference (their outputs came from another instance)."""
+    others = list(others)
+    for saved in others:
+        for observation in saved.observations:
+            observation.instance = FOREIGN_INSTANCE
+    calls = sorted([*group.recorder.observations, *(o for saved in others for o in saved.observations)],
+                   key=lambda observation: position(observation.source))
+    recorder = group.recorder.emptied()
+    for _, block in itertools.groupby(calls, key=lambda observation: observation.source):
+        room = max(0, MAX_ORDINARY - recorder.num_obs())
+        limit = recorder.num_obs() + min(group.options.store_n_calls, room)
+        for observation in block:
+            recorder.admit(observation, limit)
+    recorder.errors, recorder.counts.failed = group.recorder.errors, group.recorder.counts.failed
+    group.recorder = recorder
+    sources = {*group.sources, *(source for saved in others for source in saved.sources)}
+    group.sources = sorted(sources, key=position)
 
 
 def pooled_names(keys: Iterable[Key]) -> dict[Key, str]:

@@ -241,18 +241,27 @@ class CallRecorder:
         else:
             self._store(key, observation)
 
-    def absorb(self, observation: Observation, ordinary: int) -> None:
-        """Add a call another process recorded, as a block of this recorder would store it: a new
-        signature while fewer than ``ordinary`` calls are stored, or one adding information
-        within the capacity; a known signature counts its calls."""
+    def emptied(self) -> CallRecorder:
+        """A recorder of the same method and settings, holding no call."""
+        recorder = CallRecorder(self.value_if_missing, self.capacity)
+        recorder.signature = self.signature
+        return recorder
+
+    def admit(self, observation: Observation, limit: int) -> None:
+        """Add a call recorded before (here or in another process) as a block whose ``limit``
+        is the number of calls it may reach would store it: a new signature below the limit, or
+        one adding information within the capacity; a known signature counts its calls."""
         with flattening_context():
             key = call_signature(observation.args, observation.kwargs)
         known = self._by_key.get(key)
         if known is not None:
             known.calls += observation.calls
-        elif len(self.observations) < ordinary or (
+            self.counts.duplicates += observation.calls
+        elif len(self.observations) < limit or (
                 len(self.observations) < self.capacity and self._adds_information(key)):
             self._store(key, observation)
+        else:
+            self.counts.dropped += observation.calls
 
     def _store(self, key: tuple, observation: Observation) -> None:
         self._by_key[key] = observation

@@ -93,9 +93,10 @@ class Pool:
                         f"{WAIT_SECONDS:g} s; the models were checked without them"]
             time.sleep(_POLL_SECONDS)
 
-    def claims(self, store: Any) -> Iterator[Any]:
+    def claims(self, store: Any, position: Callable[[str], int]) -> Iterator[Any]:
         """Name this worker's groups as the pool names them, then yield those it claims, each with
-        the other workers' observations of it absorbed."""
+        the other workers' observations of it absorbed in the tests' collection order
+        (``position`` of a node id)."""
         if store is None:
             return
         from ..observe.pool import absorb, pooled_names
@@ -111,9 +112,8 @@ class Pool:
         for key in sorted(local.values(), key=lambda k: (-sum(m.get(k, 0) for m in held.values()), names[k])):
             if self._claim(key, names[key]):
                 group = store.groups[names[key]]
-                for worker in sorted(held):
-                    if worker != self.worker and key in held[worker]:
-                        absorb(group, self._saved_by(worker)[key])
+                absorb(group, [self._saved_by(worker)[key] for worker in sorted(held)
+                               if worker != self.worker and key in held[worker]], position)
                 yield group
 
     def _claim(self, key: tuple[str, str], name: str) -> bool:

@@ -100,7 +100,8 @@ class WorkerRole(Observing):
         if self.pool is not None:
             self.pool.offer(self._store)
             notes += self.pool.wait()
-            groups = self.pool.claims(self._store)
+            order = {item.nodeid: index for index, item in enumerate(session.items)}
+            groups = self.pool.claims(self._store, lambda nodeid: order.get(nodeid, len(order)))
         results = [result for batch in _batches(groups, self.options.jobs)
                    for result in _check(session, batch, self.options, progress=None)]
         self.config.workeroutput[xdist.OUTPUT_KEY] = {
