@@ -25,7 +25,8 @@ def observed_generate(tiny_llama):
 
 
 def export(model, observer, kwargs):
-    with register_flattening_functions(), export_patches():
+    """As the peers' examples export: one block registering the caches and patching transformers."""
+    with register_flattening_functions(patch_transformers=True):
         return torch.onnx.export(
             model, (), kwargs=kwargs, dynamic_shapes=observer.infer_dynamic_shapes(), dynamo=True, verbose=False
         )

@@ -124,6 +124,17 @@ def test_unknown_objects_give_their_class_name():
     assert string_type(object(), ignore=True, verbose=0) == "object(...)"
 
 
+def test_an_object_describing_a_tensor_shows_its_fields():
+    class VirtualTensor:  # as the peers describe an input without its data
+        def __init__(self, name, dtype, shape):
+            self.name, self.dtype, self.shape = name, dtype, shape
+
+    described = VirtualTensor("input_ids", torch.int64, ("batch", "seq"))
+    assert string_type(described) == "VirtualTensor(name='input_ids', dtype=int64, shape=('batch', 'seq'))"
+    assert string_type([described], with_shape=True) == (
+        "#1[VirtualTensor(name='input_ids', dtype=int64, shape=('batch', 'seq'))]")
+
+
 def test_devices_and_dtypes_show_their_value():
     assert string_type([torch.float32, torch.device("cpu")]) == "#2[dtype(torch.float32),device(cpu)]"
     assert string_type(torch.zeros(2, 3), with_shape=True, with_device=True) == "CT1s2x3"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .pytrees import register_flattening_functions
+from .pytrees import cache_registration
 
 _TREE_TYPE = re.compile(r'type\\*"\s*:\s*\\*"([A-Za-z_][\w.]*\.[A-Za-z_]\w*)')  # in the (escaped) tree specs
 
@@ -32,7 +32,7 @@ def load_program(path: str | os.PathLike[str]) -> Any:
         if name not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
             with contextlib.suppress(ImportError):  # torch names the type it still misses
                 importlib.import_module(name.rpartition(".")[0])
-    with register_flattening_functions():
+    with cache_registration():
         return torch.export.load(path)
 
 

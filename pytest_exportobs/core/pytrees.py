@@ -31,6 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .caches import ENCODER_DECODER_FIELDS, KeyValue, cache_module, dynamic_cache, static_cache
+from .export_patches import export_patches
 
 Flatten = Callable[[Any], tuple[list[Any], list[str]]]
 Unflatten = Callable[[Sequence[Any], list[str]], Any]
@@ -209,14 +210,26 @@ def _release(held: list[type]) -> None:
 
 @contextlib.contextmanager
 def register_flattening_functions(patch_transformers: bool = True) -> Iterator[None]:
+    """Register the transformers caches with torch's pytree and patch transformers for
+    ``torch.export`` (:func:`~.export_patches.export_patches`) for the duration of the block, as
+    the peers' ``torch_export_patches(patch_transformers=True)`` do; eager calls compute what
+    they compute outside it.  ``patch_transformers=False`` leaves transformers alone (the block
+    then does nothing)."""
+    if not patch_transformers:
+        yield
+        return
+    with cache_registration(), export_patches():
+        yield
+
+
+@contextlib.contextmanager
+def cache_registration() -> Iterator[None]:
     """Register the transformers caches with torch's pytree for the duration of the block.
 
-    ``patch_transformers=False`` leaves transformers alone (the block then does nothing);
-    the caches need no patch of transformers beyond this registration. Classes registered
-    before entering, by transformers or anyone else, are left as they are. Contexts nest:
-    a class is unregistered when the last context holding it exits.
+    Classes registered before entering, by transformers or anyone else, are left as they are.
+    Contexts nest: a class is unregistered when the last context holding it exits.
     """
-    wanted = patch_transformers and importlib.util.find_spec("transformers") is not None
+    wanted = importlib.util.find_spec("transformers") is not None
     held = _acquire(_transformers_nodes()) if wanted else []
     try:
         with _keyed_model_outputs() if wanted else contextlib.nullcontext():

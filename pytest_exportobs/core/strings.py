@@ -41,6 +41,7 @@ _LONG_SET = 10  # sets this large show their size only: ``{...}``
 _DIM_HINT = type(torch.export.Dim.DYNAMIC)  # Dim.DYNAMIC, Dim.AUTO, Dim.STATIC
 _DERIVED_DIM = getattr(torch.export.dynamic_shapes, "_DerivedDim", ())  # ``Dim("b") * 2``
 _NAMED_TYPES = (torch.device, torch.dtype, torch.memory_format, torch.layout)
+_TENSOR_LIKE_FIELDS = ("name", "dtype", "shape", "device")  # shown for an object describing a tensor
 
 
 def string_type(
@@ -124,6 +125,9 @@ class _Describer:
             return f"{type(obj).__name__}({self._items(kept)})"
         if isinstance(obj, _NAMED_TYPES):
             return f"{type(obj).__name__}({obj})"
+        described = [(a, getattr(obj, a)) for a in _TENSOR_LIKE_FIELDS if hasattr(obj, a)]
+        if {"dtype", "shape"} <= {a for a, _ in described}:  # a tensor described, not held (VirtualTensor)
+            return f"{type(obj).__name__}({', '.join(f'{a}={_field(v)}' for a, v in described)})"
         return f"{type(obj).__name__}(...)"
 
     def _dict(self, obj: dict[Any, Any]) -> str:
@@ -183,6 +187,11 @@ class _Describer:
         except TypeError:  # a dtype torch does not have
             return type(array).__name__
         return self._tensor(tensor, "A")
+
+
+def _field(value: Any) -> str:
+    """A tensor-like object's field as its ``repr``, a dtype as its name (``float32``)."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else repr(value)
 
 
 def _symbol(obj: Any) -> str | None:

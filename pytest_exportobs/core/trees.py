@@ -18,9 +18,9 @@ def flattening_context() -> contextlib.AbstractContextManager:
     """
     if "transformers" not in sys.modules:
         return contextlib.nullcontext()
-    from .pytrees import register_flattening_functions
+    from .pytrees import cache_registration
 
-    return register_flattening_functions()
+    return cache_registration()
 
 
 def detached_clone(tree: Any) -> Any:

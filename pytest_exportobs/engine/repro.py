@@ -180,7 +180,7 @@ def _script(
         dynamic_shapes=_literal(shapes.to_axis_names(), indent=len("DYNAMIC_SHAPES = ")),
         constants="\n".join(constants), build=builder.body, functions="\n".join(_FUNCTIONS[flow]),
         method="" if method == "forward" else f"    model.forward = model.{method}  # the observed method\n",
-        context="export_patches(), register_flattening_functions(), " if transformers else "export_patches(), ",
+        context="register_flattening_functions(), " if transformers else "export_patches(), ",
     )
 
 
@@ -189,7 +189,7 @@ def _imports(flow: str, builder: _Builder, transformers: bool) -> str:
     standard = ["import json"] * (builder.config is not None) + ["import pathlib", "import sys"]
     third_party = ["import onnx", "import onnxruntime"] * (flow == "onnx") + [
         "import torch", "from torch.utils import _pytree"]
-    ours = [f"from pytest_exportobs import export_patches{', register_flattening_functions' * transformers}"] + [
+    ours = [f"from pytest_exportobs import {'register_flattening_functions' if transformers else 'export_patches'}"] + [
         "from pytest_exportobs.engine.verify import Tolerance, compare"] * (flow != "torch.export")
     return "\n\n".join("\n".join(group) for group in (standard, third_party, builder.imports, ours) if group)
 
