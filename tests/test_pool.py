@@ -91,26 +91,50 @@ def test_absorbed_calls_keep_the_session_bound_and_caches_round_trip(tmp_path: P
     assert (group.recorder.counts.stored, group.recorder.counts.dropped) == (26, kept - 26)
     assert group.module is model0 and group.sources[0] == "test_early[100]" and group.sources[-1] == "test_late[33]"
 
-    pytest.importorskip("transformers")
-    cache = make_dynamic_cache([(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))])
-    with register_flattening_functions():
-        store = SessionStore()
-        keeper = CacheReader()
-        with store.observe(keeper, "CacheReader", ObserveOptions(), "t"):
-            keeper(torch.randn(1, 4), cache)
-        (tmp_path / "caches").mkdir()
-        worker(tmp_path / "caches", "gw0").offer(store)
-        saved = Pool(tmp_path / "caches", "gw1")._saved_by("gw0")
-    ((key, group),) = saved.items()
-    assert key == ("CacheReader", identity(keeper))
-    restored = group.observations[0].args[1]
-    assert type(restored).__name__ == "DynamicCache"
-    torch.testing.assert_close(restored.layers[0].keys, cache.layers[0].keys)
-
 
 class CacheReader(torch.nn.Module):
     def forward(self, x: torch.Tensor, cache: object) -> torch.Tensor:
         return x + cache.layers[0].keys.sum()
+
+
+def test_a_crashed_workers_saved_calls_are_checked_on_a_live_worker_with_the_module_it_saved(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    gw0, gw1 = worker(tmp_path, "gw0"), worker(tmp_path, "gw1")
+    cache = make_dynamic_cache([(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))])
+    reader, store0 = CacheReader(), SessionStore()
+    with register_flattening_functions():
+        with store0.observe(reader, "CacheReader", ObserveOptions(), "test_read"):
+            reader(torch.randn(1, 4), cache)
+        gw0.save(store0)  # after its test, as the worker does
+        with store0.observe(reader, "CacheReader", ObserveOptions(), "test_crashing"):
+            reader(torch.randn(5, 4), cache)  # the worker dies in this test: never saved
+    mark_down(tmp_path, "gw0")
+    gw1.offer(None)
+    assert gw1.wait() == []
+    with register_flattening_functions():
+        (group,) = gw1.claims(None, collection_order("test_read", "test_crashing"))
+    assert group.name == "CacheReader" and group.module is not reader
+    assert type(group.module) is CacheReader and group.identity == identity(reader)
+    (call,) = group.recorder.observations
+    assert call.instance == FOREIGN_INSTANCE and tuple(call.args[0].shape) == (1, 4)
+    assert type(call.args[1]).__name__ == "DynamicCache"
+    torch.testing.assert_close(call.args[1].layers[0].keys, cache.layers[0].keys)
+    assert group.sources == ["test_read"]
+    assert gw1.renames() == {"gw0": {"CacheReader": "CacheReader"}}
+
+
+def test_a_module_that_cannot_be_saved_is_named_in_a_note(tmp_path: Path) -> None:
+    class Local(torch.nn.Linear):  # defined in a function: pickle cannot find it again
+        pass
+
+    pool, store = worker(tmp_path, "gw0"), SessionStore()
+    observe(store, Local(4, 2), 2)
+    pool.save(store)
+    (note,) = pool.notes
+    name = "test_a_module_that_cannot_be_saved_is_named_in_a_note.<locals>.Local"  # the group: its qualname
+    assert note.startswith(f"exportobs: {name} could not be saved for the other workers (")
+    assert f"Can't pickle local object '{name}'" in note
+    assert note.endswith("): a crash of gw0 would lose it")
 
 
 def test_a_worker_that_went_down_is_not_waited_for_and_a_silent_one_only_until_the_deadline(
@@ -123,8 +147,8 @@ def test_a_worker_that_went_down_is_not_waited_for_and_a_silent_one_only_until_t
     now = iter([0.0, 1.0, pooling.WAIT_SECONDS + 1])
     monkeypatch.setattr(pooling, "_POLL_SECONDS", 0.0)
     assert gw0.wait(clock=lambda: next(now)) == [
-        f"exportobs: worker(s) gw2 wrote no observations within {pooling.WAIT_SECONDS:g} s; "
-        "the models were checked without them"]
+        f"exportobs: worker(s) gw2 wrote no manifest within {pooling.WAIT_SECONDS:g} s; "
+        "the models were checked with the calls they had saved"]
     assert list(gw0.claims(None, collection_order())) == []
 
 

@@ -259,3 +259,24 @@ def test_auto_observed_tests_spread_over_the_workers_and_each_model_is_checked_o
     ran_on = workers(pytester)
     for width in ("narrow", "wide"):
         assert {ran_on[f"test_{width}_{i}"] for i in range(6)} == {"gw0", "gw1"}
+
+
+def test_a_worker_killed_by_an_unrelated_test_loses_no_observation(pytester: pytest.Pytester) -> None:
+    """The worker saved its calls after each test: the replacement and the other worker check
+    every model on every call, as a serial run without the killing test does, and nothing hangs."""
+    killer = "\n\ndef test_kills_its_worker():\n    record('test_kills_its_worker')\n    os._exit(3)\n"
+    pytester.makepyfile(tagger=TAGGER, test_tagger=TAGGER_TESTS + killer)
+    pytester.syspathinsert()
+    observe = ("--export-observe", "tagger.Tagger")
+    _, serial = run(pytester, *observe, "-k", "not kills")
+    result = pytester.runpytest_subprocess(*ARGS, *observe, "-n", "2", "--junitxml=junit.xml",
+                                           "--export-report=report.json", timeout=300)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    cases = junit_cases(pytester.path / "junit.xml")
+    assert {k for k, v in cases.items() if v != "passed"} == {"test_tagger::test_kills_its_worker"}
+    models = {m["name"]: m for m in json.loads((pytester.path / "report.json").read_text())["models"]}
+    assert verdicts_and_dims(models) == verdicts_and_dims(serial)
+    assert {n: m["n_observations"] for n, m in models.items()} == {n: 6 for n in serial}
+    ran_on = workers(pytester)
+    crashed = ran_on["test_kills_its_worker"]
+    assert any(ran_on[t] == crashed for t in ran_on if t.startswith("test_narrow")), ran_on  # it had observed

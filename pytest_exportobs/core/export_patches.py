@@ -176,11 +176,15 @@ def batched_image_features() -> Iterator[None]:
     if module is None:
         yield
         return
+    shadowed = vars(module).get("list")  # an enclosing block's (blocks nest)
     module.list = _images_as_one
     try:
         yield
     finally:
-        del module.list
+        if shadowed is None:
+            del module.list
+        else:
+            module.list = shadowed
 
 
 def _images_as_one(*args: Any) -> list[Any]:

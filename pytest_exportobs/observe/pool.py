@@ -1,9 +1,11 @@
 """The observations of one model made in several processes (xdist workers), pooled.
 
-Each process saves what it observed of its groups (:func:`save`); the process that checks a
-model absorbs what the others observed of it (:func:`absorb`) into its own group, whose instance
-is the one exported.  A model is keyed by ``(base name, identity)`` (see :mod:`.store`); its name
-in the pool is the one a single process observing every call would give it (:func:`pooled_names`).
+Each process saves, test by test, what it observed of its groups: once per group a
+:class:`GroupRecord` (the module and its options, to rebuild the group where no other process
+holds an instance), then its new calls (:func:`save_calls`).  The process that checks a model
+absorbs what the others observed of it (:func:`absorb`).  A model is keyed by ``(base name,
+identity)`` (see :mod:`.store`); its name in the pool is the one a single process observing every
+call would give it (:func:`pooled_names`).
 """
 
 from __future__ import annotations
@@ -15,34 +17,62 @@ from pathlib import Path
 
 import torch
 
-from .recorder import Observation
-from .store import MAX_ORDINARY, ModelGroup, SessionStore
+from .recorder import CallRecorder, Observation, signature_of
+from .store import MAX_OBSERVATIONS, MAX_ORDINARY, ModelGroup, ObserveOptions, parameter_shapes
 
 Key = tuple[str, str]  # (base name, identity)
 FOREIGN_INSTANCE = 0  # the instance of a call recorded in another process: never a kept module's id
 
 
 @dataclass
-class SavedGroup:
-    """What a process observed of one model: its calls (inputs and eager outputs) and tests."""
+class SavedCalls:
+    """Calls a process observed of one model (inputs and eager outputs), and its tests."""
 
     observations: list[Observation]
     sources: list[str]
 
 
-def save(store: SessionStore, path: Path) -> None:
-    """Write the observations of every group of ``store``, by key, to ``path`` (read once the
-    process says it is done: no partial file is ever read)."""
-    torch.save({key: SavedGroup(store.groups[name].recorder.observations, store.groups[name].sources)
-                for name, key in store.keys().items()}, path)
+@dataclass
+class GroupRecord:
+    """What rebuilds a group in another process: the module (pickled by reference to its class)
+    and how it was observed."""
+
+    base: str
+    identity: str
+    explicit: bool
+    options: ObserveOptions
+    module: torch.nn.Module
 
 
-def load(path: Path) -> dict[Key, SavedGroup]:
-    """The groups :func:`save` wrote (their inputs hold cache objects: a full unpickling)."""
-    return torch.load(path, weights_only=False)
+def save_record(group: ModelGroup, base: str, path: Path) -> None:
+    """Save what rebuilds ``group`` (raises when its module cannot be pickled)."""
+    torch.save(GroupRecord(base, group.identity, group.explicit, group.options, group.module), path)
 
 
-def absorb(group: ModelGroup, others: Iterable[SavedGroup], position: Callable[[str], int]) -> None:
+def rebuilt(path: Path) -> ModelGroup:
+    """A group of no call, on the module a crashed process saved (its calls are absorbed next)."""
+    record: GroupRecord = torch.load(path, weights_only=False)
+    recorder = CallRecorder(record.options.value_if_missing, capacity=MAX_OBSERVATIONS)
+    recorder.signature = signature_of(getattr(record.module, record.options.method))
+    return ModelGroup(record.base, record.identity, record.module, record.options, record.explicit, recorder,
+                      parameters=parameter_shapes(record.module))
+
+
+def save_calls(observations: list[Observation], sources: list[str], path: Path) -> None:
+    torch.save(SavedCalls(observations, sources), path)
+
+
+def load_calls(paths: Iterable[Path]) -> SavedCalls:
+    """The calls saved in ``paths``, in order (their inputs hold cache objects: a full unpickling)."""
+    calls = SavedCalls([], [])
+    for path in paths:
+        saved: SavedCalls = torch.load(path, weights_only=False)
+        calls.observations += saved.observations
+        calls.sources += [source for source in saved.sources if source not in calls.sources]
+    return calls
+
+
+def absorb(group: ModelGroup, others: Iterable[SavedCalls], position: Callable[[str], int]) -> None:
     """Store the calls of ``group`` and those other processes saw of its model as one process
     running the tests in collection order (``position`` of a test's node id) would have: test by
     test, each a block of ``store_n_calls`` under the session bound.  Calls of other processes

@@ -1,14 +1,16 @@
 """Under xdist, the observations of one model made on several workers meet on one worker.
 
 Tests spread over the workers as ``--dist load`` spreads them, so a model that tests call
-through ``watch()`` or ``--export-observe`` is observed on several.  At the end of the session
-each worker saves its observations to a directory the controller shares with the workers and
-then writes a manifest of its models.  Once every worker has written one (or went down, which the
+through ``watch()`` or ``--export-observe`` is observed on several.  Each worker saves, after
+every test that observed, what it recorded to a directory the controller shares with the
+workers (once per model its module and options, then the new calls), so that a worker that
+crashes loses only the calls of the test it crashed in.  At the end of the session each worker
+writes a manifest of its models.  Once every worker has written one (or went down, which the
 controller marks), each worker names the models as one process observing every call would, and
-claims the models it holds one by one, most observed first: a claim is a file created
-exclusively, so each model is checked once, on a worker that has an instance of it, while the
-checks spread over the workers.  The claiming worker absorbs what the others observed of the
-model before checking it.  A worker that crashed saved nothing: the controller reports its models.
+claims models one by one, most observed first: those it holds an instance of, then those only a
+crashed worker held (rebuilt from the module it saved).  A claim is a file created exclusively,
+so each model is checked once while the checks spread over the workers; the claiming worker
+absorbs what the others observed of the model before checking it.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from typing import Any
 import pytest
 
 from ..core.files import json_text, write_atomic
+from ..core.text import error_line
 
 POOL_KEY = "exportobs_pool"  # workerinput: the directory the workers pool their observations in
 WAIT_SECONDS = 600.0  # the longest a worker waits for the others' manifests (they follow the last test)
 _POLL_SECONDS = 0.05
+Key = tuple[str, str]  # (base name, identity), as observe.pool keys a model
 
 
 def mark_down(directory: Path, worker: str) -> None:
@@ -45,7 +49,7 @@ def claimed(directory: Path) -> dict[str, str]:
 
 
 def offered(directory: Path, worker: str) -> bool:
-    """Whether ``worker`` pooled its observations (a crash after that loses none)."""
+    """Whether ``worker`` wrote its manifest (it reached the end of its tests)."""
     return (directory / f"{worker}.json").exists()
 
 
@@ -55,7 +59,8 @@ class Pool:
     def __init__(self, directory: Path, worker: str):
         self.directory = directory
         self.worker = worker
-        self._saved: dict[str, Any] = {}  # worker -> the groups it saved, loaded once
+        self.notes: list[str] = []
+        self._saved: dict[Key, int] = {}  # model -> the number of its calls saved so far
 
     @classmethod
     def of(cls, config: pytest.Config) -> Pool | None:
@@ -68,20 +73,39 @@ class Pool:
         """Say, before collecting, that this worker will write a manifest."""
         (self.directory / f"ready-{self.worker}").touch()
 
-    def offer(self, store: Any) -> None:
-        """Save the observations of ``store`` (``None``: nothing observed), then the manifest."""
-        keys = {} if store is None else store.keys()
-        if keys:
-            from ..observe.pool import save
+    def save(self, store: Any) -> None:
+        """Save what ``store`` recorded since the last call: a model's module and options the
+        first time, then its new calls."""
+        from ..observe.pool import save_calls, save_record
 
-            save(store, self._observations(self.worker))
+        for name, key in store.keys().items():
+            group, folder = store.groups[name], self._folder(self.worker, key)
+            if key not in self._saved:
+                folder.mkdir(parents=True)
+                try:
+                    save_record(group, key[0], folder / "group.pt")
+                except Exception as e:  # a module pickle cannot take (a class defined in a function)
+                    self.notes.append(f"exportobs: {name} could not be saved for the other workers "
+                                      f"({error_line(e)}): a crash of {self.worker} would lose it")
+                write_atomic(folder / "key.json", json_text({"base": key[0], "identity": key[1],
+                                                             "order": len(self._saved)}))
+                self._saved[key] = 0
+            calls = group.recorder.observations[self._saved[key]:]
+            if calls:
+                save_calls(calls, group.sources, folder / f"calls-{self._saved[key]:04d}.pt")
+                self._saved[key] += len(calls)
+
+    def offer(self, store: Any) -> None:
+        """Save what is left of ``store`` (``None``: nothing observed), then the manifest."""
+        if store is not None:
+            self.save(store)
         models = [{"base": base, "identity": ident, "observations": store.groups[name].recorder.num_obs()}
-                  for name, (base, ident) in sorted(keys.items())]
-        write_atomic(self._manifest(self.worker), json_text({"models": models}))
+                  for name, (base, ident) in sorted(({} if store is None else store.keys()).items())]
+        write_atomic(self.directory / f"{self.worker}.json", json_text({"models": models}))
 
     def wait(self, clock: Callable[[], float] = time.monotonic) -> list[str]:
         """Wait until every worker that joined has written its manifest or went down; a note
-        names those still silent after :data:`WAIT_SECONDS` (their observations are left out)."""
+        names those still silent after :data:`WAIT_SECONDS` (their last calls are left out)."""
         deadline = clock() + WAIT_SECONDS
         while True:
             silent = [worker for worker in self._joined()
@@ -89,56 +113,90 @@ class Pool:
             if not silent:
                 return []
             if clock() > deadline:
-                return [f"exportobs: worker(s) {', '.join(silent)} wrote no observations within "
-                        f"{WAIT_SECONDS:g} s; the models were checked without them"]
+                return [f"exportobs: worker(s) {', '.join(silent)} wrote no manifest within "
+                        f"{WAIT_SECONDS:g} s; the models were checked with the calls they had saved"]
             time.sleep(_POLL_SECONDS)
 
     def claims(self, store: Any, position: Callable[[str], int]) -> Iterator[Any]:
-        """Name this worker's groups as the pool names them, then yield those it claims, each with
-        the other workers' observations of it absorbed in the tests' collection order
-        (``position`` of a node id)."""
-        if store is None:
-            return
-        from ..observe.pool import absorb, pooled_names
+        """Name the groups as the pool names them, then yield those this worker claims, each with
+        the other workers' calls absorbed in the tests' collection order (``position`` of a
+        node id): its own groups, then those only crashed workers held."""
+        from ..observe.pool import absorb, load_calls, pooled_names, rebuilt
 
-        manifests = {path.stem: json.loads(path.read_text(encoding="utf-8"))["models"]
-                     for path in sorted(self.directory.glob("*.json"))}
-        held = {worker: {(m["base"], m["identity"]): m["observations"] for m in models}
-                for worker, models in manifests.items()}
-        names = pooled_names(key for models in held.values() for key in models)
-        local = store.keys()
+        held = self._held()
+        names = pooled_names(key for keys in held.values() for key in keys)
+        local = {} if store is None else store.keys()
         for name, key in local.items():
             store.rename(name, names[key])
-        for key in sorted(local.values(), key=lambda k: (-sum(m.get(k, 0) for m in held.values()), names[k])):
-            if self._claim(key, names[key]):
+        live = {key for worker in held if offered(self.directory, worker) for key in held[worker]}
+        own = sorted(local.values(), key=lambda k: (-sum(keys.get(k, 0) for keys in held.values()), names[k]))
+        orphans = sorted(set(names) - live, key=names.__getitem__)
+        for key in own + orphans:
+            if not self._claim(key, names[key]):
+                continue
+            holders = sorted(worker for worker in held if key in held[worker])
+            if key in local.values():
                 group = store.groups[names[key]]
-                absorb(group, [self._saved_by(worker)[key] for worker in sorted(held)
-                               if worker != self.worker and key in held[worker]], position)
-                yield group
+            else:
+                records = [self._folder(w, key) / "group.pt" for w in holders]
+                group = rebuilt(next(path for path in records if path.exists())) if any(
+                    path.exists() for path in records) else None
+                if group is None:
+                    continue  # the module could not be saved: the controller reports the model lost
+                group.name = names[key]
+            absorb(group, [load_calls(sorted(self._folder(w, key).glob("calls-*.pt")))
+                           for w in holders if w != self.worker], position)
+            yield group
 
-    def _claim(self, key: tuple[str, str], name: str) -> bool:
+    def renames(self) -> dict[str, dict[str, str]]:
+        """Per worker that wrote no manifest (crashed), the names its tests recorded -> the
+        pooled names (as its own store would have named the models it saw, in order)."""
+        from ..observe.pool import pooled_names
+
+        held = self._held()
+        names = pooled_names(key for keys in held.values() for key in keys)
+        renames = {}
+        for worker, keys in held.items():
+            if offered(self.directory, worker):
+                continue
+            local = pooled_names(keys)
+            renames[worker] = {local[key]: names[key] for key in keys}
+            first: dict[str, Key] = {}
+            for key in sorted(keys, key=keys.__getitem__):  # the first identity seen took the base name
+                first.setdefault(key[0], key)
+            renames[worker].update({base: names[key] for base, key in first.items()})
+        return renames
+
+    def _held(self) -> dict[str, dict[Key, int]]:
+        """Per worker, the models it saved: their observation count from its manifest, else
+        (a crashed worker) the order it first saw them in."""
+        held: dict[str, dict[Key, int]] = {}
+        for folder in sorted(path for path in self.directory.iterdir() if path.is_dir()):
+            manifest = self.directory / f"{folder.name}.json"
+            if manifest.exists():
+                models = json.loads(manifest.read_text(encoding="utf-8"))["models"]
+                held[folder.name] = {(m["base"], m["identity"]): m["observations"] for m in models}
+            else:
+                keys = [json.loads(path.read_text(encoding="utf-8")) for path in folder.glob("*/key.json")]
+                held[folder.name] = {(k["base"], k["identity"]): k["order"] for k in keys}
+        return held
+
+    def _claim(self, key: Key, name: str) -> bool:
         """Create the model's claim file, naming this worker and the model; ``False`` if it exists."""
-        digest = hashlib.sha1(repr(key).encode()).hexdigest()[:16]
         try:
-            descriptor = os.open(self.directory / f"claim-{digest}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            descriptor = os.open(self.directory / f"claim-{_digest(key)}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
         with os.fdopen(descriptor, "w", encoding="utf-8") as file:
             file.write(f"{self.worker} {name}")
         return True
 
-    def _saved_by(self, worker: str) -> Any:
-        if worker not in self._saved:
-            from ..observe.pool import load
-
-            self._saved[worker] = load(self._observations(worker))
-        return self._saved[worker]
+    def _folder(self, worker: str, key: Key) -> Path:
+        return self.directory / worker / _digest(key)
 
     def _joined(self) -> list[str]:
         return sorted(path.name.removeprefix("ready-") for path in self.directory.glob("ready-*"))
 
-    def _manifest(self, worker: str) -> Path:
-        return self.directory / f"{worker}.json"
 
-    def _observations(self, worker: str) -> Path:
-        return self.directory / f"{worker}.pt"
+def _digest(key: Key) -> str:
+    return hashlib.sha1(repr(key).encode()).hexdigest()[:16]

@@ -25,7 +25,7 @@ from . import xdist
 from .conclusion import Concluding, incomplete, progress_writer
 from .observing import ANNOUNCED_PROPERTY, OBSERVED_PROPERTY, Observing
 from .options import Options
-from .pooling import Pool, claimed, mark_down, offered
+from .pooling import Pool, claimed, mark_down
 
 
 def _check(
@@ -92,6 +92,10 @@ class WorkerRole(Observing):
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         xdist.announce(item)
 
+    def pytest_runtest_teardown(self) -> None:
+        if self.pool is not None and self._store is not None:
+            self.pool.save(self._store)  # what a crash of this worker would otherwise lose
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.stop_observing()
@@ -104,9 +108,13 @@ class WorkerRole(Observing):
             groups = self.pool.claims(self._store, lambda nodeid: order.get(nodeid, len(order)))
         results = [result for batch in _batches(groups, self.options.jobs)
                    for result in _check(session, batch, self.options, progress=None)]
+        renamed = {self.config.workerinput["workerid"]: self.renamed()}
+        if self.pool is not None:
+            notes += self.pool.notes
+            renamed.update(self.pool.renames())
         self.config.workeroutput[xdist.OUTPUT_KEY] = {
             "results": [r.to_json() for r in results], "notes": notes, "usage_error": self.usage_error,
-            "renamed": self.renamed(),
+            "renamed": renamed,
         }
 
 
@@ -124,8 +132,8 @@ def _batches(groups: Iterable[Any], size: int) -> Iterator[list[Any]]:
 
 class ControllerRole(Concluding):
     """The xdist controller: knows the observed models from the test reports, the results from
-    the workers' output.  A model observed on a worker that crashed is incomplete, whatever
-    another worker says of it: its observations died with the worker."""
+    the workers' output.  A worker saves its calls after each test: a model is incomplete when a
+    worker crashed before saving any call of it, or while checking it."""
 
     def __init__(self, config: pytest.Config, options: Options):
         super().__init__(config, options)
@@ -133,7 +141,6 @@ class ControllerRole(Concluding):
         self.announced: set[tuple[str, str]] = set()  # ... from OBSERVED and ANNOUNCED properties
         self.renamed: dict[str, dict[str, str]] = {}  # worker -> its names tests recorded -> final names
         self.crashed: set[str] = set()  # workers that went down with an error
-        self.unpooled: set[str] = set()  # ... before pooling their observations: those are lost
         self.checked_on: dict[str, str] = {}  # group name -> worker that sent its result
         self.collected: set[str] = set()  # the node ids the workers collected
         self.shared = xdist.shared_directory(config)
@@ -165,15 +172,14 @@ class ControllerRole(Concluding):
         mark_down(self.shared / "pool", worker)
         if error is not None:
             self.crashed.add(worker)
-            if not offered(self.shared / "pool", worker):
-                self.unpooled.add(worker)
         output = getattr(node, "workeroutput", {}).get(xdist.OUTPUT_KEY)
         self._merge(output or {}, worker)
 
     def _merge(self, output: dict[str, Any], worker: str) -> None:
         """Merge a worker's results; a model checked on two workers is incomplete, not guessed."""
         self.usage_error = self.usage_error or output.get("usage_error")
-        self.renamed[worker] = output.get("renamed", {})
+        for observer, renamed in output.get("renamed", {}).items():  # its own, and those of crashed workers
+            self.renamed.setdefault(observer, {}).update(renamed)
         self.notes += [note for note in output.get("notes", []) if note not in self.notes]
         for data in output.get("results", []):
             result = ModelResult.from_json(data)
@@ -192,17 +198,17 @@ class ControllerRole(Concluding):
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.usage_error is not None:
             raise pytest.UsageError(self.usage_error)  # pytest prints it and exits with code 4
-        lost: dict[str, set[str]] = {}
-        for worker, name in self.announced:
-            if worker in self.unpooled:
-                lost.setdefault(self._final(worker, name), set()).add(worker)
-        for name, workers in sorted(lost.items()):
-            self.results[name] = incomplete(name, f"observed on worker {', '.join(sorted(workers))}, which "
-                                                  "crashed: its observations are lost")
         for name, worker in claimed(self.shared / "pool").items():
             if worker in self.crashed and name not in self.results:
                 self.results[name] = incomplete(name, f"worker {worker} crashed while checking it (a native "
                                                       "crash: --export-isolate makes it the model's failure)")
+        lost: dict[str, set[str]] = {}
+        for worker, name in self.announced:
+            if worker in self.crashed and self._final(worker, name) not in self.results:
+                lost.setdefault(self._final(worker, name), set()).add(worker)
+        for name, workers in sorted(lost.items()):
+            self.results[name] = incomplete(name, f"observed on worker {', '.join(sorted(workers))}, which "
+                                                  "crashed before saving any call of it")
         observed = {self._final(worker, name) for worker, name in self.reported}
         self.conclude(session, observed, self.collected)
 
