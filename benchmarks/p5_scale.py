@@ -109,7 +109,8 @@ def twins(side_by_side: bool) -> float:
     command = [PYTHON, "-c", TWIN]
     begin = time.perf_counter()
     if side_by_side:
-        children = [subprocess.Popen(command, env=child_env(), stdout=subprocess.DEVNULL) for _ in range(2)]
+        children = [subprocess.Popen(command, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    for _ in range(2)]
         if any(child.wait() != 0 for child in children):
             raise RuntimeError("P5: a twin export failed")
     else:
@@ -163,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = statistics.median(new / old for new, old in pairs)
             walls = ", ".join(f"{old:.1f}s → {new:.1f}s" for new, old in pairs)
             lines.append(f"P5 {name:5s} {b} / {a} = {ratio:.2f}  ({walls})  {verdict(ratio, TARGET)}; "
-                         f"limit + {margins[name]:.2f} = {limit + margins[name]:.2f}: "
-                         f"{verdict(ratio, limit + margins[name])}")
+                         f"limit + {margins[name]:.2f}: {verdict(ratio, round(limit + margins[name], 2))}")
         distinct = {json.dumps(v, sort_keys=True) for v in verdicts.values()}
         if len(distinct) != 1:
             raise SystemExit(f"P5: the verdicts differ between runs: {verdicts}")
