@@ -39,11 +39,6 @@ def marked_names(item: pytest.Item) -> list[str]:
     return [mark.kwargs.get("name") or fixture for mark in item.iter_markers(MARKER) for fixture in mark.args]
 
 
-def watches(item: pytest.Item) -> bool:
-    """Whether a test may observe models through ``export_observer.watch()``."""
-    return "export_observer" in getattr(item, "fixturenames", ())
-
-
 def auto_observes(item: pytest.Item, options: Options) -> bool:
     """Whether ``--export-observe`` may observe models in a test (no marker, no pattern excludes it)."""
     return bool(options.observe) and item.get_closest_marker(NO_OBSERVE_MARKER) is None and not any(

@@ -15,6 +15,7 @@ absorbs what the others observed of the model before checking it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -50,7 +51,7 @@ def claimed(directory: Path) -> dict[str, str]:
 
 def offered(directory: Path, worker: str) -> bool:
     """Whether ``worker`` wrote its manifest (it reached the end of its tests)."""
-    return (directory / f"{worker}.json").exists()
+    return _manifest(directory, worker).exists()
 
 
 class Pool:
@@ -101,7 +102,7 @@ class Pool:
             self.save(store)
         models = [{"base": base, "identity": ident, "observations": store.groups[name].recorder.num_obs()}
                   for name, (base, ident) in sorted(({} if store is None else store.keys()).items())]
-        write_atomic(self.directory / f"{self.worker}.json", json_text({"models": models}))
+        write_atomic(_manifest(self.directory, self.worker), json_text({"models": models}))
 
     def wait(self, clock: Callable[[], float] = time.monotonic) -> list[str]:
         """Wait until every worker that joined has written its manifest or went down; a note
@@ -121,10 +122,9 @@ class Pool:
         """Name the groups as the pool names them, then yield those this worker claims, each with
         the other workers' calls absorbed in the tests' collection order (``position`` of a
         node id): its own groups, then those only crashed workers held."""
-        from ..observe.pool import absorb, load_calls, pooled_names, rebuilt
+        from ..observe.pool import absorb, load_calls, rebuilt
 
-        held = self._held()
-        names = pooled_names(key for keys in held.values() for key in keys)
+        held, names = self._held, self._names
         local = {} if store is None else store.keys()
         for name, key in local.items():
             store.rename(name, names[key])
@@ -138,11 +138,10 @@ class Pool:
             if key in local.values():
                 group = store.groups[names[key]]
             else:
-                records = [self._folder(w, key) / "group.pt" for w in holders]
-                group = rebuilt(next(path for path in records if path.exists())) if any(
-                    path.exists() for path in records) else None
-                if group is None:
+                records = [path for w in holders if (path := self._folder(w, key) / "group.pt").exists()]
+                if not records:
                     continue  # the module could not be saved: the controller reports the model lost
+                group = rebuilt(records[0])
                 group.name = names[key]
             absorb(group, [load_calls(sorted(self._folder(w, key).glob("calls-*.pt")))
                            for w in holders if w != self.worker], position)
@@ -153,8 +152,7 @@ class Pool:
         pooled names (as its own store would have named the models it saw, in order)."""
         from ..observe.pool import pooled_names
 
-        held = self._held()
-        names = pooled_names(key for keys in held.values() for key in keys)
+        held, names = self._held, self._names
         renames = {}
         for worker, keys in held.items():
             if offered(self.directory, worker):
@@ -167,12 +165,13 @@ class Pool:
             renames[worker].update({base: names[key] for base, key in first.items()})
         return renames
 
+    @functools.cached_property
     def _held(self) -> dict[str, dict[Key, int]]:
         """Per worker, the models it saved: their observation count from its manifest, else
-        (a crashed worker) the order it first saw them in."""
+        (a crashed worker) the order it first saw them in.  Read once, after :meth:`wait`."""
         held: dict[str, dict[Key, int]] = {}
         for folder in sorted(path for path in self.directory.iterdir() if path.is_dir()):
-            manifest = self.directory / f"{folder.name}.json"
+            manifest = _manifest(self.directory, folder.name)
             if manifest.exists():
                 models = json.loads(manifest.read_text(encoding="utf-8"))["models"]
                 held[folder.name] = {(m["base"], m["identity"]): m["observations"] for m in models}
@@ -180,6 +179,13 @@ class Pool:
                 keys = [json.loads(path.read_text(encoding="utf-8")) for path in folder.glob("*/key.json")]
                 held[folder.name] = {(k["base"], k["identity"]): k["order"] for k in keys}
         return held
+
+    @functools.cached_property
+    def _names(self) -> dict[Key, str]:
+        """Every pooled model's name, as one process observing every call would give it."""
+        from ..observe.pool import pooled_names
+
+        return pooled_names(key for keys in self._held.values() for key in keys)
 
     def _claim(self, key: Key, name: str) -> bool:
         """Create the model's claim file, naming this worker and the model; ``False`` if it exists."""
@@ -196,6 +202,10 @@ class Pool:
 
     def _joined(self) -> list[str]:
         return sorted(path.name.removeprefix("ready-") for path in self.directory.glob("ready-*"))
+
+
+def _manifest(directory: Path, worker: str) -> Path:
+    return directory / f"{worker}.json"
 
 
 def _digest(key: Key) -> str:

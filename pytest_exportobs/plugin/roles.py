@@ -169,7 +169,7 @@ class ControllerRole(Concluding):
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         worker = node.gateway.id
-        mark_down(self.shared / "pool", worker)
+        mark_down(xdist.pool_directory(self.shared), worker)
         if error is not None:
             self.crashed.add(worker)
         output = getattr(node, "workeroutput", {}).get(xdist.OUTPUT_KEY)
@@ -198,7 +198,7 @@ class ControllerRole(Concluding):
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.usage_error is not None:
             raise pytest.UsageError(self.usage_error)  # pytest prints it and exits with code 4
-        for name, worker in claimed(self.shared / "pool").items():
+        for name, worker in claimed(xdist.pool_directory(self.shared)).items():
             if worker in self.crashed and name not in self.results:
                 self.results[name] = incomplete(name, f"worker {worker} crashed while checking it (a native "
                                                       "crash: --export-isolate makes it the model's failure)")

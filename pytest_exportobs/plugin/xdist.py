@@ -41,9 +41,14 @@ def shared_directory(config: pytest.Config) -> Path:
     """A new directory the workers write their placement and pool their observations in
     (removed at the end of the session)."""
     directory = Path(tempfile.mkdtemp(prefix="exportobs-xdist-"))
-    (directory / "pool").mkdir()
+    pool_directory(directory).mkdir()
     config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
     return directory
+
+
+def pool_directory(shared: Path) -> Path:
+    """Where the workers pool their observations in the shared directory (see :mod:`.pooling`)."""
+    return shared / "pool"
 
 
 def schedules(config: pytest.Config) -> bool:
@@ -58,7 +63,7 @@ def make_scheduler(config: pytest.Config, log: Any, directory: Path) -> Any:
 
 
 def configure_node(config: pytest.Config, node: Any, directory: Path) -> None:
-    node.workerinput[POOL_KEY] = str(directory / "pool")
+    node.workerinput[POOL_KEY] = str(pool_directory(directory))
     if schedules(config):
         node.workerinput[PLACEMENT_KEY] = str(directory)
 
