@@ -19,6 +19,7 @@ from pytest_exportobs.core.caches import make_dynamic_cache  # noqa: E402
 from pytest_exportobs.engine.check import check_model  # noqa: E402
 from pytest_exportobs.engine.settings import CheckSettings  # noqa: E402
 from pytest_exportobs.observe.store import ObserveOptions, SessionStore  # noqa: E402
+from pytest_exportobs.shapes.spec import spec_api  # noqa: E402
 
 # Run in a new interpreter: nothing of transformers imported but what `import transformers` does.
 FRESH = '''
@@ -41,6 +42,13 @@ with register_flattening_functions():
     got = program.module()(input_ids=ids, attention_mask=mask, past_key_values=make_dynamic_cache(past))
     expected = model(input_ids=ids, attention_mask=mask, past_key_values=make_dynamic_cache(past))
 print((got.logits - expected.logits).abs().max().item())
+broken = torch.ones(3, 11, dtype=torch.int64)  # 6 cached + 4 new is 10
+try:
+    with register_flattening_functions():
+        program.module()(input_ids=ids, attention_mask=broken, past_key_values=make_dynamic_cache(past))
+    print("accepted a mask longer than past + new tokens")
+except Exception as e:
+    print("rejected:", type(e).__name__, str(e).splitlines()[0][:60])
 '''
 
 
@@ -63,6 +71,8 @@ def test_a_saved_program_of_a_cached_decoder_loads_in_a_fresh_process_and_serves
     run = subprocess.run([sys.executable, "-c", FRESH, path, json.dumps(tiny_llama_config().to_dict())],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    refused, served = run.stdout.splitlines()
+    refused, served, broken = run.stdout.splitlines()
     assert refused == "plain torch.export.load: We ran into an error when deserializing the saved file"
     assert float(served) < 1e-4
+    if spec_api() is not None:  # a ShapesSpec export states total_seq = past_seq + seq and checks it
+        assert broken.startswith("rejected: RuntimeError Runtime assertion failed"), broken

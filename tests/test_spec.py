@@ -11,7 +11,6 @@ import torch
 from models import tiny_llama_config
 
 from pytest_exportobs import InputObserver, ObserverError, make_dynamic_cache, register_flattening_functions
-from pytest_exportobs.core.export_patches import export_patches
 from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.observe.store import ObserveOptions, SessionStore
@@ -37,19 +36,25 @@ def llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(tiny_llama_config()).eval()
 
 
-def observed(llama: torch.nn.Module) -> InputObserver:
+DECODE_STEPS = [(2, 3, 4), (3, 1, 6), (1, 4, 2), (2, 2, 7)]  # (batch, seq, past): a cache in every call
+
+
+def observed(llama: torch.nn.Module, steps: list[tuple[int, int, int]] = DECODE_STEPS) -> InputObserver:
     observer = InputObserver()
     with observer(llama), torch.no_grad():
-        for batch, seq, past in [(2, 3, 4), (3, 1, 6), (1, 4, 2), (2, 2, 7)]:
+        for batch, seq, past in steps:
             llama(**step(batch, seq, past))
     return observer
 
 
 @NEEDS_SPEC
-def test_the_observer_gives_a_spec_whose_relation_the_program_checks(llama: torch.nn.Module) -> None:
-    observer = observed(llama)
+@pytest.mark.parametrize("steps", [DECODE_STEPS, [(2, 3, 0), *DECODE_STEPS[1:]]], ids=["decode", "prefill-and-decode"])
+def test_the_observer_gives_a_spec_whose_relation_the_program_checks(
+    llama: torch.nn.Module, steps: list[tuple[int, int, int]]
+) -> None:
+    observer = observed(llama, steps)
     spec = observer.infer_dynamic_shapes(as_spec=True)
-    with register_flattening_functions(), export_patches():
+    with register_flattening_functions():  # the caches registered, transformers patched for export
         program = torch.export.export(llama, (), kwargs=observer.infer_arguments(), dynamic_shapes=spec)
         program.module()(**step(4, 2, 5))  # other sizes keeping total_seq = past_seq + seq
         with pytest.raises(RuntimeError, match="Runtime assertion failed"):

@@ -18,7 +18,7 @@ from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.engine.variations import Leaves, VariationOutcome, explore, size_ranges
 from pytest_exportobs.engine.verify import OnnxRunner, Tolerance
 from pytest_exportobs.shapes.dims import Relation
-from pytest_exportobs.shapes.synthesis import build_leaves, complete_sizes, recipes
+from pytest_exportobs.shapes.synthesis import build_leaves, complete_sizes, ignore_padded_labels, recipes
 
 
 class OddBatchShift(torch.nn.Module):
@@ -345,3 +345,88 @@ def test_generated_token_ids_never_take_the_padding_token() -> None:
 class TokenUser(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return (input_ids * attention_mask).float().mean(1)
+
+
+class TokenClassifier(torch.nn.Module):
+    """The cross-entropy of per-token logits: the loss reads every position whose label is not
+    torch's ignore index."""
+
+    def __init__(self, padded_logits: float = 0.0) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(10, 3)
+        self.padded_logits = padded_logits  # what padded positions hold: arbitrary, as attention leaves them
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.embedding(input_ids)
+        padded = self.padded_logits * torch.arange(3.0).expand_as(logits)
+        logits = torch.where(attention_mask.unsqueeze(-1).bool(), logits, padded)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def token_classification_calls() -> list[tuple[torch.Tensor, ...]]:
+    masks = [torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), torch.tensor([[0, 0, 1], [0, 1, 1], [1, 1, 1]])]
+    return [(torch.randint(0, 10, m.shape), m, torch.randint(0, 3, m.shape)) for m in masks]
+
+
+def test_labels_ignore_the_positions_a_padding_mask_pads(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TokenClassifier()
+    shapes = observe(model, *token_classification_calls())
+    other_runtime = TokenClassifier(padded_logits=5.0)  # other arbitrary values where padded
+    other_runtime.embedding = model.embedding
+    outcome = run_explore(shapes, eager_of(model), eager_of(other_runtime), tmp_path, examples=10)
+    assert outcome.tried >= 3 and outcome.valid == outcome.tried and outcome.failed == 0
+
+    leaves = build_leaves(shapes, {v.name: 5 for v in shapes.variables}, torch.Generator().manual_seed(1))
+    ignored = ignore_padded_labels(shapes, leaves, recipes(shapes))
+    assert ignored is not None
+    ids, mask, labels = leaves
+    assert bool((mask == 0).any())
+    assert torch.equal(ignored[2], labels.masked_fill(mask == 0, -100))
+    assert ignored[0] is ids and ignored[1] is mask
+
+
+class LabelEmbedder(torch.nn.Module):
+    """Labels as indices (a label embedding): the ignore index is out of range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels = torch.nn.Embedding(3, 2)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.labels(labels) * attention_mask.unsqueeze(-1) + input_ids.unsqueeze(-1)
+
+
+def test_a_model_rejecting_the_ignore_index_runs_with_the_plain_labels(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = LabelEmbedder()
+    shapes = observe(model, *token_classification_calls())
+    seen: list[torch.Tensor] = []
+
+    def run(leaves: Leaves) -> list[torch.Tensor]:
+        seen.append(leaves[2])
+        return eager_of(model)(leaves)
+
+    outcome = run_explore(shapes, eager_of(model), run, tmp_path, examples=10)
+    assert outcome.tried >= 3 and outcome.valid == outcome.tried and outcome.failed == 0
+    assert all(int(labels.min()) >= 0 for labels in seen)
+
+
+def test_multiple_choice_masks_pad_each_choice_as_a_tokenizer_does() -> None:
+    observer = InputObserver()
+    model = MaskUser()
+    with observer(model):
+        for batch, length in ((2, 5), (3, 4)):
+            mask = torch.ones(batch, 4, length, dtype=torch.long)
+            mask[0, 1, :2] = 0  # one choice left-padded
+            model(torch.randn(batch, 4, length, 4), attention_mask=mask)
+    shapes = ShapeModel.from_aligned(observer.aligned())
+    leaf = shapes.aligned.leaf_names.index("attention_mask")
+    generator = torch.Generator().manual_seed(0)
+    sizes = {v.name: 7 for v in shapes.variables}
+    masks = torch.stack([build_leaves(shapes, sizes, generator)[leaf] for _ in range(10)])
+    assert masks.shape == (10, 7, 4, 7)
+    rows = masks.reshape(-1, 7)
+    assert bool((rows.sum(1) >= 1).all()) and bool((rows[:, -1] == 1).all())
+    assert bool((rows.diff(dim=1) >= 0).all())  # left padding: real tokens once they start
+    assert bool((rows == 0).any())

@@ -4,7 +4,8 @@ Each free dimension variable of the :class:`~..shapes.model.ShapeModel` gets a s
 observed bounds (derived variables follow their relation, equal dimensions are one variable);
 :func:`~..shapes.synthesis.build_leaves` turns the sizes into valid inputs.  An example is *invalid* when
 the eager model itself raises on it, *failed* when the exported model raises or disagrees with
-eager beyond the verify stage's tolerances.  Hypothesis shrinks a failure to its smallest sizes.
+eager beyond the verify stage's tolerances.  Labels lined up with a padding mask ignore its padded
+positions, unless eager rejects the ignore index (then the example runs with the plain labels).  Hypothesis shrinks a failure to its smallest sizes.
 
 Randomness: with ``seed`` or under ``CI=true`` the examples are derandomized (same examples
 every run; hypothesis then disables its database, as it does for ``@seed`` and
@@ -31,7 +32,9 @@ import torch
 
 from ..core.trees import detached_clone
 from ..shapes.model import ShapeModel
-from ..shapes.synthesis import Recipe, build_leaves, complete_sizes, free_variables, leaf_shapes, recipes
+from ..shapes.synthesis import (
+    Recipe, build_leaves, complete_sizes, free_variables, ignore_padded_labels, leaf_shapes, recipes,
+)
 from .verify import Discrepancy, OutputLayout, Tolerance, run_and_compare
 
 if TYPE_CHECKING:
@@ -155,6 +158,7 @@ class _Trials:
     outputs: OutputLayout | None = None
     examples: list[Sizes] = field(default_factory=list)
     verdicts: list[Discrepancy | None] = field(default_factory=list)  # None: invalid
+    plain_labels: list[Sizes] = field(default_factory=list)  # examples eager ran without ignored labels
 
     def fails(self, free: Sizes) -> bool:
         """hypothesis' condition: ``True`` when the exported model is wrong on this example."""
@@ -171,20 +175,32 @@ class _Trials:
         return not verdict.ok
 
     def leaves(self, free: Sizes) -> Leaves:
-        """The inputs of an example: a function of its sizes only."""
+        """The inputs of an example as it ran: a function of its sizes only (and of whether
+        eager took labels ignoring padded positions)."""
+        plain, ignoring = self._candidates(free)
+        return plain if ignoring is None or free in self.plain_labels else ignoring
+
+    def _candidates(self, free: Sizes) -> tuple[Leaves, Leaves | None]:
         sizes = complete_sizes(self.shapes, free)
         generator = torch.Generator().manual_seed(zlib.crc32(json.dumps(sizes, sort_keys=True).encode()))
-        return build_leaves(self.shapes, sizes, generator, self.leaf_recipes)
+        plain = build_leaves(self.shapes, sizes, generator, self.leaf_recipes)
+        return plain, ignore_padded_labels(self.shapes, plain, self.leaf_recipes)
 
     def _verdict(self, free: Sizes) -> Discrepancy | None:
         if min(complete_sizes(self.shapes, free).values()) < 0:  # a relation with a negative constant
             return None
-        leaves = self.leaves(free)
-        try:
-            expected = self.eager(detached_clone(leaves))
-        except Exception:  # eager rejects these sizes: not the export's fault
-            return None
-        return run_and_compare(self.run, leaves, expected, self.tolerance, outputs=self.outputs)
+        plain, ignoring = self._candidates(free)
+        for leaves in (ignoring, plain):
+            if leaves is None:
+                continue
+            try:
+                expected = self.eager(detached_clone(leaves))
+            except Exception:  # eager rejects these sizes, or the ignore index: not the export's fault
+                continue
+            if leaves is plain and ignoring is not None:
+                self.plain_labels.append(free)
+            return run_and_compare(self.run, leaves, expected, self.tolerance, outputs=self.outputs)
+        return None
 
     def outcome(self, minimal: Sizes | None) -> VariationOutcome:
         invalid = sum(v is None for v in self.verdicts)

@@ -5,6 +5,8 @@ has that) and for the hypothesis shape variations.  Each flat leaf gets a recipe
 the recorded calls: floats are random, integers stay within their observed range (token ids stay
 valid), 0/1 masks keep their value set, ``arange``-like inputs (position ids, cache positions)
 stay ``arange``-like from an offset that follows the variable it matched (``past_seq``).
+Integer ``labels`` lined up with a padding mask may take torch's ignore index at padded positions,
+as a data collator pads them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class Recipe:
     pad_value: int = 0
     left: bool = False
     exclude: int | None = None  # a value token ids never take (the padding token)
+
+
+IGNORE_INDEX = -100  # the default ignore_index of torch's cross-entropy and NLL losses
 
 
 def free_variables(shapes: ShapeModel) -> list[str]:
@@ -97,6 +102,22 @@ def build_leaves(
     ]
 
 
+def ignore_padded_labels(shapes: ShapeModel, leaves: list[Any], leaf_recipes: list[Recipe]) -> list[Any] | None:
+    """``leaves`` with each integer ``labels`` leaf set to :data:`IGNORE_INDEX` where a padding
+    mask of its shape marks padding, as a data collator pads labels (a loss then never reads the
+    outputs of padded positions, which attention leaves arbitrary); ``None`` when no label lines up
+    with a padded mask."""
+    masks = [(leaf, r) for leaf, r in zip(leaves, leaf_recipes) if r.kind == "mask" and leaf.ndim >= 2]
+    ignored = list(leaves)
+    for i, (name, recipe) in enumerate(zip(shapes.aligned.leaf_names, leaf_recipes)):
+        if recipe.kind != "int" or not name.split(".")[-1].endswith("labels"):
+            continue
+        padding = [m == r.pad_value for m, r in masks if m.shape == leaves[i].shape]
+        if padding and bool(padding[0].any()):
+            ignored[i] = leaves[i].masked_fill(padding[0], IGNORE_INDEX)
+    return None if all(a is b for a, b in zip(ignored, leaves)) else ignored
+
+
 def leaf_shapes(shapes: ShapeModel, sizes: dict[str, int]) -> list[tuple[int, ...] | None]:
     """Shape of every flat leaf of the representative call resized to ``sizes`` (``None``: no tensor)."""
     template = shapes.call_leaves(shapes.aligned.complete_call())
@@ -126,15 +147,16 @@ def _fill(recipe: Recipe, shape: list[int], sizes: dict[str, int], generator: to
 
 
 def _padding_mask(recipe: Recipe, shape: list[int], generator: torch.Generator) -> torch.Tensor:
-    """A mask as a tokenizer pads a batch: each row a run of real tokens (at least one) and
-    padding on one side; masks of another rank are random with a real last position."""
-    if len(shape) != 2:
+    """A mask as a tokenizer pads a batch: each row (of a batch, or of a batch of choices) a run
+    of real tokens (at least one) and padding on one side; masks of another rank are random with a
+    real last position."""
+    if len(shape) not in (2, 3):
         real = torch.randint(0, 2, shape, generator=generator).bool()
         if real.ndim:
             real[..., -1] = True
     else:
-        length = shape[1]
-        tokens = torch.randint(1, max(length, 1) + 1, (shape[0], 1), generator=generator)  # real tokens per row
+        length = shape[-1]
+        tokens = torch.randint(1, max(length, 1) + 1, (*shape[:-1], 1), generator=generator)  # real tokens per row
         positions = torch.arange(length)
         real = positions >= length - tokens if recipe.left else positions < tokens
     return (real if recipe.pad_value == 0 else ~real).to(recipe.dtype)
