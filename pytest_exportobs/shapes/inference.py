@@ -232,12 +232,22 @@ def _relation(variables: list[Variable], target: int, terms: tuple[int, ...]) ->
 def role_relations(variables: list[Variable]) -> list[Relation]:
     """``total_seq = past_seq + seq`` between the variables of those roles, when it holds in every
     call: what a mask covering the cache and the new tokens means, even when the calls never
-    varied the two independently."""
-    by_role = {v.role: str(i) for i, v in enumerate(variables) if v.role}
-    if not {"total_seq", "past_seq", "seq"} <= set(by_role):
-        return []
-    total, past, seq = (variables[int(by_role[r])] for r in ("total_seq", "past_seq", "seq"))
-    rows = [(t, p, s) for t, p, s in zip(total.values, past.values, seq.values) if None not in (t, p, s)]
+    varied the two independently.  Of several variables of one role (the length of
+    ``inputs_embeds`` in the calls without ``input_ids``), those known together in most calls."""
+    by_role: dict[str, list[int]] = {}
+    for i, v in enumerate(variables):
+        if v.role:
+            by_role.setdefault(v.role, []).append(i)
+    triples = itertools.product(*(by_role.get(r, []) for r in ("total_seq", "past_seq", "seq")))
+    rows, (total, past, seq) = max(
+        ((_known_together(variables, triple), triple) for triple in triples), key=lambda found: len(found[0]),
+        default=([], (0, 0, 0)),
+    )
     if not rows or any(t != p + s for t, p, s in rows):
         return []
-    return [Relation(by_role["total_seq"], (by_role["past_seq"], by_role["seq"]))]
+    return [Relation(str(total), (str(past), str(seq)))]
+
+
+def _known_together(variables: list[Variable], triple: tuple[int, ...]) -> list[tuple[int, ...]]:
+    columns = [variables[i].values for i in triple]
+    return [row for row in zip(*columns) if None not in row]

@@ -224,17 +224,19 @@ class ShapeModel:
 
 def _total_is_new_without_past(projected: ShapeModel, variables: dict[str, Variable]) -> None:
     """A graph with no past (no cache, no past length) reads the mask's total length as the new
-    tokens when its calls agree, even where no relation was inferred (the other calls of the model
-    gave a cache): Whisper's decoder had a free total_seq, variations fed masks longer than the ids."""
-    total, new = variables.get("total_seq"), variables.get("seq")
-    if total is None or new is None or "past_seq" in variables:
+    tokens (``input_ids``' length, or ``inputs_embeds``' in a graph without ids) when its calls
+    agree, even where no relation was inferred (the other calls of the model gave a cache):
+    Whisper's decoder had a free total_seq, variations fed masks longer than the ids."""
+    by_role = {v.role: v for v in variables.values() if v.role in ("total_seq", "past_seq")}
+    total = by_role.get("total_seq")
+    if total is None or "past_seq" in by_role or total.name not in {v.name for v in projected.variables}:
         return
-    if total.name not in {v.name for v in projected.variables}:
+    if any(r.derived == total.name or total.name in r.terms for r in projected.relations):
         return
-    if any(r.derived == "total_seq" or "total_seq" in r.terms for r in projected.relations):
-        return
-    if all(t is None or n is None or t == n for t, n in zip(total.values, new.values)):
-        projected.merge("total_seq", "seq")
+    for new in (v for v in variables.values() if v.role == "seq"):
+        if all(t is None or n is None or t == n for t, n in zip(total.values, new.values)):
+            projected.merge(total.name, new.name)
+            return
 
 
 def _without_absent_terms(relation: Relation, variables: dict[str, Variable]) -> Relation | None:
