@@ -276,7 +276,7 @@ from pytest_exportobs.engine.result import ModelResult
 
 checked = runner.check_model
 
-def check_model(group, settings, progress=lambda step: None):
+def check_model(group, settings, progress=lambda stage, graph: None):
     if group.name != "disk-full":
         return checked(group, settings, progress)
     return ModelResult(name=group.name, verdict="failed", stage="onnx-translate", kind="environment",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +18,30 @@ def json_text(data: Any) -> str:
 
 
 def write_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` through a temporary file in the same directory and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
+    """Write ``text`` so that a concurrent reader sees the old file or the new one, never a part."""
+    with _replacing(Path(path)) as tmp:
         with open(tmp, "x", encoding="utf-8", newline="\n") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+    return Path(path)
+
+
+def copy_atomic(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+    """Copy ``source`` to ``path`` as :func:`write_atomic` writes."""
+    with _replacing(Path(path)) as tmp:
+        shutil.copyfile(source, tmp)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write; ``os.replace`` moves it there on success."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path

@@ -9,9 +9,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import torch
 from torch.utils import _pytree
 
 from ..core.configuration import configuration_text
+from ..core.files import copy_atomic, write_atomic
 from ..core.versions import package_versions
 from ..shapes.model import ShapeModel
 
@@ -83,14 +82,10 @@ class ExportCache:
 
     def store(self, key: str, onnx_path: Path, entry: CacheEntry) -> None:
         """Add ``onnx_path`` under ``key`` (atomically: a concurrent reader sees all or nothing)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        target = self.directory / f"{key}.onnx"
-        _atomic_copy(onnx_path, target)
+        target = copy_atomic(onnx_path, self.directory / f"{key}.onnx")
         meta = {"sha256": _file_digest(target), "opset": entry.opset, "op_counts": entry.op_counts,
                 "notes": entry.notes, "refinements": entry.refinements, "outputs": entry.outputs}
-        with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False, suffix=".tmp") as f:
-            json.dump(meta, f)
-        os.replace(f.name, self.directory / f"{key}.json")
+        write_atomic(self.directory / f"{key}.json", json.dumps(meta))
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -121,9 +116,3 @@ def _file_digest(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
-
-def _atomic_copy(source: Path, target: Path) -> None:
-    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False, suffix=".tmp") as f:
-        temp = Path(f.name)
-    shutil.copyfile(source, temp)
-    os.replace(temp, target)

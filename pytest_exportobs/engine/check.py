@@ -34,20 +34,21 @@ from .graph import GraphCheck, ModelContext
 from .graphs import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
 from .references import ReferenceFailed, references
 from .environment import EnvironmentProblem
-from .result import ENVIRONMENT, FAILED, PASSED, SKIPPED, GraphResult, ModelResult
+from ..core.vocabulary import Kind, Stage, Verdict
+from .result import GraphResult, ModelResult
 from .settings import CheckSettings
 from .verify import Tolerance
 
-Progress = Callable[[str], None]
+Progress = Callable[[Stage, str], None]  # the stage a check reached, on which graph ("": the model)
 T = TypeVar("T")
 
 
-def check_model(group: ModelGroup, settings: CheckSettings, progress: Progress = lambda stage: None) -> ModelResult:
+def check_model(group: ModelGroup, settings: CheckSettings, progress: Progress = lambda stage, graph: None) -> ModelResult:
     """Check one group; never raises.  A failure of a stage is the model's; an exception the
     engine did not expect is stage ``engine``, kind ``internal``: a bug of the plugin."""
     recorder = group.recorder
     result = ModelResult(
-        name=group.name, verdict=FAILED, stage="infer", sources=list(group.sources),
+        name=group.name, verdict=Verdict.FAILED, stage=Stage.INFER, sources=list(group.sources),
         model_class=group.model_class, n_observations=recorder.num_obs(),
         expected_failure=_xfail_reason(group.options.xfail),
         n_calls=sum(vars(recorder.counts).values()), env=dict(package_versions()),
@@ -56,18 +57,18 @@ def check_model(group: ModelGroup, settings: CheckSettings, progress: Progress =
         _unobserved(result, recorder)
         return result
     if group.parameters and parameter_shapes(group.module) != group.parameters:
-        result.verdict, result.stage = SKIPPED, "observe"
+        result.verdict, result.stage = Verdict.SKIPPED, Stage.OBSERVE
         result.reason = ("the model's parameters changed shape after its calls (resize_token_embeddings?): "
                          "the calls recorded no longer fit the instance, nothing to check")
         return result
     try:
         _ModelCheck(group, settings, result, progress).run()
     except ModelProblem as e:
-        result.verdict, result.stage, result.kind, result.reason = FAILED, e.stage, e.kind, str(e)
+        result.verdict, result.stage, result.kind, result.reason = Verdict.FAILED, e.stage, e.kind, str(e)
     except EnvironmentProblem as e:  # the machine's: a session problem, no verdict
-        result.verdict, result.stage, result.kind, result.reason = FAILED, e.stage, ENVIRONMENT, str(e)
+        result.verdict, result.stage, result.kind, result.reason = Verdict.FAILED, e.stage, Kind.ENVIRONMENT, str(e)
     except Exception as e:
-        result.verdict, result.stage, result.kind = FAILED, "engine", "internal"
+        result.verdict, result.stage, result.kind = Verdict.FAILED, Stage.ENGINE, Kind.INTERNAL
         result.reason = f"internal error of pytest-exportobs, not of the model (please report it): {error_line(e)}"
         result.traceback = "".join(traceback.format_exception(e))
     return result
@@ -76,7 +77,7 @@ def check_model(group: ModelGroup, settings: CheckSettings, progress: Progress =
 class ModelProblem(Exception):
     """What the model gives the engine cannot be checked: the ``stage`` and ``kind`` it fails with."""
 
-    def __init__(self, stage: str, kind: str, message: str):
+    def __init__(self, stage: Stage, kind: Kind, message: str):
         super().__init__(message)
         self.stage, self.kind = stage, kind
 
@@ -84,11 +85,11 @@ class ModelProblem(Exception):
 def _unobserved(result: ModelResult, recorder: Any) -> None:
     """No call was recorded: skipped when the model was never called, failed when its calls
     could not be recorded (a cache class that cannot be flattened is no reason to skip)."""
-    result.stage = "observe"
+    result.stage = Stage.OBSERVE
     if not recorder.counts.failed:
-        result.verdict, result.reason = SKIPPED, "no call of the model was observed"
+        result.verdict, result.reason = Verdict.SKIPPED, "no call of the model was observed"
         return
-    result.verdict, result.kind = FAILED, "unsupported-input"
+    result.verdict, result.kind = Verdict.FAILED, Kind.UNSUPPORTED_INPUT
     result.reason = f"none of its {recorder.counts.failed} calls could be recorded: {recorder.errors[0]}"
 
 
@@ -104,7 +105,7 @@ class _ModelCheck:
         try:
             factories = [patches.resolve(path) for path in paths]
         except ValueError as e:  # a patch the user named that cannot be imported
-            raise ModelProblem("infer", "error", f"ValueError: {e}") from e
+            raise ModelProblem(Stage.INFER, Kind.ERROR, f"ValueError: {e}") from e
         graphs: list[GraphCheck] = []
         unverified: list[str] = []
         with export_patches(), patches.entered(factories), flattening_context(), _eval_no_grad(self.group.module):
@@ -125,7 +126,7 @@ class _ModelCheck:
                 f"{len(families)} input structures (ranks, dtypes or cache classes differ), "
                 f"each with its own graphs: calls {' | '.join(_spans(f) for f in families)}")
         _summarize(self.result, [g.result for g in graphs], unverified)
-        if self.result.verdict == PASSED:
+        if self.result.verdict == Verdict.PASSED:
             self.result.output = ""
 
     def _difference(self, first: int, other: int) -> str:
@@ -134,7 +135,7 @@ class _ModelCheck:
         return structure_difference(*calls, self.group.recorder.signature)
 
     def _infer(self, family: list[int]) -> ShapeModel:
-        self.progress("infer")
+        self.progress(Stage.INFER, "")
         begin = time.perf_counter()
         options = self.options
         policy = DimPolicy(
@@ -147,9 +148,9 @@ class _ModelCheck:
                 options.dim_names, policy,
             )
         except UnsupportedInput as e:
-            raise ModelProblem("infer", "unsupported-input", str(e)) from e
+            raise ModelProblem(Stage.INFER, Kind.UNSUPPORTED_INPUT, str(e)) from e
         except (TypeError, ValueError) as e:  # calls that disagree, bad marker options
-            raise ModelProblem("infer", "error", str(e)) from e
+            raise ModelProblem(Stage.INFER, Kind.ERROR, str(e)) from e
         self.result.timings["infer"] = self.result.timings.get("infer", 0.0) + time.perf_counter() - begin
         if not self.result.dims:  # the largest family's, until a graph reads them back
             summary = joint.to_json()
@@ -162,11 +163,11 @@ class _ModelCheck:
         try:
             found = self._quiet(lambda: references(self.group, observations))
         except ReferenceFailed as e:  # the model's own call raised
-            raise ModelProblem("verify", "unverified", str(e)) from e
+            raise ModelProblem(Stage.VERIFY, Kind.UNVERIFIED, str(e)) from e
         self.result.reference = found.origin
         if not any(isinstance(t, torch.Tensor) for outputs in found.outputs for t in outputs):
             raise ModelProblem(
-                "infer", "unsupported-output", "the model returns no tensor (None or constants only): nothing to export"
+                Stage.INFER, Kind.UNSUPPORTED_OUTPUT, "the model returns no tensor (None or constants only): nothing to export"
             )
         return found
 
@@ -250,20 +251,20 @@ def _summarize(result: ModelResult, graphs: list[GraphResult], unverified: list[
         timings.update(g.timings)
         result.notes.extend(f"[{g.name}] {note}" if several and g.name else note for note in g.notes)
     result.timings.update(timings)
-    failing = next((g for g in graphs if not g.passed and g.verdict != SKIPPED), None)
-    skipped = next((g for g in graphs if g.verdict == SKIPPED), None)
+    failing = next((g for g in graphs if not g.passed and g.verdict != Verdict.SKIPPED), None)
+    skipped = next((g for g in graphs if g.verdict == Verdict.SKIPPED), None)
     if failing is None and not unverified and skipped is not None:  # exported, but not run here
         failing = skipped
-        result.verdict = SKIPPED
+        result.verdict = Verdict.SKIPPED
     if failing is not None:
         result.stage, result.kind, result.traceback, result.repro_path = failing.stage, failing.kind, failing.traceback, failing.repro_path
         result.reason = f"[{failing.name}] {failing.reason}" if several and failing.name else failing.reason
     elif unverified:
-        result.stage, result.kind = "verify", "unverified"
+        result.stage, result.kind = Stage.VERIFY, Kind.UNVERIFIED
         result.reason = (f"{'; '.join(unverified)} run on no exported graph "
                          f"(at most {MAX_GRAPHS} graphs per input structure)")
     else:
-        result.verdict, result.stage = PASSED, graphs[-1].stage
+        result.verdict, result.stage = Verdict.PASSED, graphs[-1].stage
 
 
 def _name_structure(checks: list[GraphCheck], difference: str) -> None:

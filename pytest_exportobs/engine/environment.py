@@ -10,17 +10,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from ..core.vocabulary import Stage
+
 
 class EnvironmentProblem(Exception):
     """A file the check needs could not be written (permissions, disk full, a path in the way)."""
 
-    def __init__(self, stage: str, message: str):
+    def __init__(self, stage: Stage, message: str):
         super().__init__(message)
         self.stage = stage
 
 
 @contextlib.contextmanager
-def writing(stage: str, what: str) -> Iterator[None]:
+def writing(stage: Stage, what: str) -> Iterator[None]:
     """Turn an ``OSError`` while writing ``what`` at ``stage`` into an :class:`EnvironmentProblem`."""
     try:
         yield

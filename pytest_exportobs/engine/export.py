@@ -25,15 +25,15 @@ import torch
 
 from ..core.text import error_line
 from ..core.trees import detached_clone, flat_outputs, spec_paths
+from ..core.vocabulary import Kind, Stage
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import example_leaves, free_variables
 from .bound import bind_constants
 from .cache import CacheEntry, ExportCache
 from .domain import Shape, apply_refinements, deferred_asserts, onnx_shapes, program_shapes, read_dims, refinements
 from .environment import EnvironmentProblem, writing
-from .probe import leaves_at
+from .probe import SizeProbe, leaves_at
 from .reasons import one_line_reason
-from .probe import SizeProbe
 from .tracing import Example, Specialized, trace
 from .verify import Tolerance, compare
 
@@ -50,8 +50,8 @@ class ExportOutcome:
     """
 
     ok: bool
-    stage: str
-    kind: str = ""
+    stage: Stage
+    kind: Kind | str = ""
     error_type: str = ""
     reason: str = ""
     traceback: str = ""
@@ -91,7 +91,7 @@ class Stages:
             raise  # the machine's, not a failure of the stage
         except Exception as e:
             self.outcome.ok = False
-            self.outcome.kind = "specialized" if isinstance(e, Specialized) else "error"
+            self.outcome.kind = Kind.SPECIALIZED if isinstance(e, Specialized) else Kind.ERROR
             self.outcome.error_type = type(e).__name__
             self.outcome.reason = str(e) if isinstance(e, Specialized) else one_line_reason(name, e)
             self.outcome.traceback = "".join(traceback.format_exception(e))
@@ -108,7 +108,7 @@ def export_model(
     ``target`` ``onnx`` translates and writes ``onnx_path``, ``torch`` stops after torch.export.
     The shape model is refined with what torch proved (equal dims, multiples of 2...);
     The ``probe`` runs eager at sizes torch's bounds exclude (``None``: bounds are not checked)."""
-    outcome = ExportOutcome(ok=True, stage="torch.export")
+    outcome = ExportOutcome(ok=True, stage=Stage.TORCH_EXPORT)
     stages = Stages(outcome)
     exported = bind_constants(module, method, shapes.aligned)
     outcome.bound = exported is not module
@@ -119,7 +119,7 @@ def export_model(
         if _load_cached(cache, key, onnx_path, shapes, outcome):
             return outcome
     try:
-        with stages.run("torch.export"):
+        with stages.run(Stage.TORCH_EXPORT):
             program, outcome.dims_form = _trace(exported, shapes, outcome, probe)
         outcome.program = program
         outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
@@ -249,7 +249,7 @@ def _refine(shapes: ShapeModel, read: list[Shape], outcome: ExportOutcome) -> di
 def _save_program(program: torch.export.ExportedProgram, path: Path, outcome: ExportOutcome) -> None:
     """Save the program (``--export-target torch``'s artifact); one torch cannot serialize is a
     note, never a failure of the model."""
-    with writing("torch.export", f"the exported program {path}"):
+    with writing(Stage.TORCH_EXPORT, f"the exported program {path}"):
         path.parent.mkdir(parents=True, exist_ok=True)
         program.example_inputs = None  # a cache among them would need allow-listed classes to load
         try:
@@ -263,16 +263,16 @@ def _save_program(program: torch.export.ExportedProgram, path: Path, outcome: Ex
 
 
 def _to_onnx(stages: Stages, program: Any, names: dict[str, str], path: Path, outcome: ExportOutcome) -> None:
-    with stages.run("decompose"):
+    with stages.run(Stage.DECOMPOSE):
         program = _decompose(program)
-    with stages.run("onnx-translate"):
+    with stages.run(Stage.ONNX_TRANSLATE):
         onnx_program = _translate_decomposing(program, outcome.notes)
         if names:  # ONNXProgram.rename_axes does the same from torch 2.11 on
             _ir_passes().rename_axis(onnx_program.model, names)
-        with writing("onnx-translate", f"the ONNX file {path}"):
+        with writing(Stage.ONNX_TRANSLATE, f"the ONNX file {path}"):
             path.parent.mkdir(parents=True, exist_ok=True)
             onnx_program.save(str(path))
-    with stages.run("onnx-checker"):
+    with stages.run(Stage.ONNX_CHECKER):
         _check_onnx(path, outcome)
     outcome.onnx_path = str(path)
 
@@ -292,7 +292,7 @@ def _load_cached(cache: ExportCache, key: str, path: Path, shapes: ShapeModel, o
     entry = cache.load(key, path)
     if entry is None:
         return False
-    outcome.stage, outcome.cache_hit, outcome.onnx_path = "onnx-checker", True, str(path)
+    outcome.stage, outcome.cache_hit, outcome.onnx_path = Stage.ONNX_CHECKER, True, str(path)
     outcome.opset, outcome.op_counts, outcome.refinements = entry.opset, entry.op_counts, entry.refinements
     outcome.outputs = entry.outputs
     apply_refinements(shapes, entry.refinements)

@@ -28,7 +28,8 @@ from .graphs import GraphPlan
 from .probe import SizeProbe, probe_unvaried_dims
 from .references import refreshed, reproduction
 from .repro import write_repro
-from .result import PASSED, RUNTIME, SKIPPED, GraphResult
+from ..core.vocabulary import Kind, Stage, Verdict
+from .result import GraphResult
 from .settings import CheckSettings
 from .variations import explore
 from .verify import (
@@ -53,7 +54,7 @@ class ModelContext:
     observations: list[Observation]
     references: list[list[Any]]
     quiet: Callable[[Callable[[], T]], T]
-    progress: Callable[[str], None]
+    progress: Callable[[Stage, str], None]
     ids: list[int]  # per call here, its number among the model's recorded calls
 
     @property
@@ -103,7 +104,7 @@ class GraphCheck:
             self._variations()
             if result.kind:
                 return result
-        result.verdict = PASSED
+        result.verdict = Verdict.PASSED
         return result
 
     def serves(self, shapes: ShapeModel, calls: list[int]) -> bool:
@@ -124,7 +125,7 @@ class GraphCheck:
 
     def _export(self) -> ExportOutcome:
         context, result = self.context, self.result
-        context.progress("export" + (f" [{self.plan.name}]" if self.plan.name else ""))
+        context.progress(Stage.TORCH_EXPORT, self.plan.name)
         cache = ExportCache(context.settings.export_dir / "cache", context.patches) if context.settings.use_cache else None
         probe = SizeProbe(self.shapes, context.eager(self.shapes, flat=False))
         outcome = context.quiet(lambda: export_model(
@@ -152,7 +153,7 @@ class GraphCheck:
         is then skipped, kind ``runtime``: the export itself is fine), cannot load it, or crashes
         natively loading it (probed in a process of its own: stage ``isolate``, kind ``crash``)."""
         result, target = self.result, self.context.settings.target
-        result.stage = "ort-load" if target == "onnx" else "verify"
+        result.stage = Stage.ORT_LOAD if target == "onnx" else Stage.VERIFY
         begin = time.perf_counter()
         try:
             if target == "onnx":
@@ -163,13 +164,13 @@ class GraphCheck:
                 runner = program_runner(outcome.program, self.shapes.aligned, constants=not outcome.bound)
         except NativeCrash as crash:
             self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))  # of stage ort-load
-            result.stage, result.kind = "isolate", "crash"
+            result.stage, result.kind = Stage.ISOLATE, Kind.CRASH
             result.reason = (
                 f"onnxruntime crashed natively ({crash}) creating a session for the ONNX written, in a process "
                 "of its own: the session and the other models are intact; report it to onnxruntime with the repro")
             return None
         except RuntimeGap as gap:
-            result.verdict, result.kind = SKIPPED, RUNTIME
+            result.verdict, result.kind = Verdict.SKIPPED, Kind.RUNTIME
             result.reason = gap.explain(_float_dtype(self.context.module))
             return None
         except Exception as e:
@@ -185,8 +186,8 @@ class GraphCheck:
         """Run every call of the plan; ``False`` when the graph fails.  Calls that lacked an
         argument of the graph and fail are split off instead."""
         context, result = self.context, self.result
-        context.progress("verify" + (f" [{self.plan.name}]" if self.plan.name else ""))
-        result.stage = "verify"
+        context.progress(Stage.VERIFY, self.plan.name)
+        result.stage = Stage.VERIFY
         begin = time.perf_counter()
         leaves = [self.shapes.call_leaves(i) for i in range(len(self.plan.calls))]
         references = [context.references[c] for c in self.plan.calls]
@@ -237,7 +238,7 @@ class GraphCheck:
         observation = context.observations[call]
         found = context.quiet(lambda: reproduction(context.group, observation, context.references[call], context.tolerance))
         if found == "nondeterministic":
-            result.kind = "nondeterministic"
+            result.kind = Kind.NONDETERMINISTIC
             result.reason = (f"call {context.ids[call]} from {observation.source or 'recorded call'}: two eager runs "
                              "differ, the outputs cannot be compared (sampling? a submodule in training mode?)")
         elif found == "stale":
@@ -249,8 +250,8 @@ class GraphCheck:
     def _variations(self) -> None:
         """Generated shapes: a failure is kind ``variation`` with the smallest failing sizes."""
         context, result = self.context, self.result
-        context.progress("variations" + (f" [{self.plan.name}]" if self.plan.name else ""))
-        result.stage = "variations"
+        context.progress(Stage.VARIATIONS, self.plan.name)
+        result.stage = Stage.VARIATIONS
         begin = time.perf_counter()
         with writing("variations", f"the hypothesis database in {self.directory}"):
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -268,7 +269,7 @@ class GraphCheck:
                 "sizes that the shape model keeps independent (e.g. mask = seq + a constant past)"
             )
         if variation.failed:
-            result.kind = "variation"
+            result.kind = Kind.VARIATION
             sizes = ", ".join(f"{k}={v}" for k, v in variation.failing_sizes.items())
             result.reason = f"fails at {sizes}: {variation.detail}"
             self._repro(variation.failing_leaves)

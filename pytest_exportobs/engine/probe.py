@@ -21,6 +21,7 @@ from torch.utils import _pytree
 
 from ..core.text import error_line
 from ..core.trees import detached_clone
+from ..core.vocabulary import DimSource
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import build_leaves, complete_sizes, export_sizes, free_variables
 
@@ -31,7 +32,7 @@ def probe_unvaried_dims(shapes: ShapeModel, eager: Eager, notes: list[str]) -> N
     """Drop the dynamic variables no call varied that eager rejects one size larger (all at
     once first: one eager run when the model accepts them all)."""
     free = free_variables(shapes)
-    candidates = [v.name for v in shapes.variables if v.source in ("role", "guess") and v.name in free]
+    candidates = [v.name for v in shapes.variables if v.source in (DimSource.ROLE, DimSource.GUESS) and v.name in free]
     if not candidates:
         return
     base = _free_sizes(shapes)

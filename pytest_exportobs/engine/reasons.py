@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
-import traceback
-from pathlib import Path
 
 from ..core.text import first_line
+from ..core.vocabulary import Stage
+from .frames import user_frame
 
-PACKAGE_DIR = str(Path(__file__).parents[1])
 # What a failure mentions -> the known way around it.
 HINTS = {
     "grouped_mm": 'transformers\' default MoE experts ("grouped_mm") do not translate: build the model with '
@@ -19,17 +17,17 @@ HINTS = {
 }
 
 
-def one_line_reason(stage: str, error: BaseException) -> str:
+def one_line_reason(stage: Stage, error: BaseException) -> str:
     """A single line a user can act on: the message's first line, the unsupported ops of an ONNX
     translation failure, the user source line where torch.export failed, and a hint when the
     failure has a known way around it."""
     message = first_line(str(error)) or type(error).__name__
-    ops = unsupported_ops(str(error)) if stage in ("decompose", "onnx-translate") else []
+    ops = unsupported_ops(str(error)) if stage in (Stage.DECOMPOSE, Stage.ONNX_TRANSLATE) else []
     location = user_frame(error)
     node = re.search(r"Error when translating node .*?target=torch\.ops\.([\w.]+)", str(error))
     if ops:
         reason = f"no ONNX translation for {', '.join(ops)}"
-    elif stage == "onnx-translate" and node:
+    elif stage == Stage.ONNX_TRANSLATE and node:
         reason = f"{type(error).__name__}: cannot translate {node.group(1)} to ONNX"
     else:
         reason = f"{type(error).__name__}: {message}" + (f" (at {location})" if location else "")
@@ -53,29 +51,3 @@ def unsupported_ops(message: str) -> list[str]:
         if re.search(r"no onnx function|unsupported|not supported|dispatch", line, re.IGNORECASE):
             ops.extend(m for m in re.findall(r"\b[a-z_]+(?:::|\.)[a-zA-Z_]\w*(?:\.\w+)?", line) if "aten" in m or "::" in m)
     return sorted(set(ops))
-
-
-def user_frame(error: BaseException) -> str:
-    """``file:line: code`` of the innermost frame of user code (outside torch, site-packages, us)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    for cause in (error.__cause__, error.__context__):
-        if cause is not None:
-            frames = frames + traceback.extract_tb(cause.__traceback__)
-    user = [
-        f for f in frames
-        if "site-packages" not in f.filename and not f.filename.startswith(PACKAGE_DIR)
-        and "/torch/" not in f.filename and not f.filename.startswith("<")
-    ]
-    if not user:
-        found = re.findall(r'File "([^"]+)", line (\d+)', str(error))
-        user_paths = [(p, n) for p, n in found if "site-packages" not in p and "/torch/" not in p]
-        return f"{_short(user_paths[-1][0])}:{user_paths[-1][1]}" if user_paths else ""
-    frame = user[-1]
-    return f"{_short(frame.filename)}:{frame.lineno}" + (f": {frame.line.strip()}" if frame.line else "")
-
-
-def _short(path: str) -> str:
-    try:
-        return os.path.relpath(path)
-    except ValueError:
-        return path

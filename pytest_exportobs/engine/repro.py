@@ -23,10 +23,10 @@ from torch.utils import _pytree
 
 from ..core.trees import flattening_context, spec_children
 from ..shapes.model import ShapeModel
-from .result import STAGES
+from ..core.vocabulary import STAGES, Stage
 
 # The stages a script can rerun: from torch.export to the variations.
-REPRO_STAGES = STAGES[STAGES.index("torch.export") : STAGES.index("variations") + 1]
+REPRO_STAGES = STAGES[STAGES.index(Stage.TORCH_EXPORT) : STAGES.index(Stage.VARIATIONS) + 1]
 
 
 @dataclass

@@ -6,31 +6,12 @@ Pure Python (no torch): the xdist controller and the gate read it without import
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.text import format_dims
-
-PASSED, FAILED, SKIPPED, INCOMPLETE = "passed", "failed", "skipped", "incomplete"
-# The session was interrupted (Ctrl-C) before the model's check finished: never a pass, judged
-# like an incomplete check, never written into a baseline.
-INTERRUPTED = "interrupted"
-# A failed result of this kind is the machine's problem (I/O, permissions, disk full), not the
-# model's: a session error, never a verdict, never written into a baseline.
-ENVIRONMENT = "environment"
-# A skipped graph of this kind was exported fine, but onnxruntime's provider here has no kernel for
-# one of its ops in its dtype (the CPU provider lacks many float16/bfloat16 kernels): not verified.
-RUNTIME = "runtime"
-
-# Stages in the order a check goes through them; a failure names the stage it stopped at.
-# ``isolate``: the forked process checking the model died (--export-isolate), stage unknown.
-# ``engine``: the plugin itself failed (a bug of pytest-exportobs, never the model's).
-STAGES = (
-    "observe", "infer", "torch.export", "decompose", "onnx-translate", "onnx-checker",
-    "ort-load", "verify", "variations", "isolate", "engine",
-)
-# Stages after which the dynamic dims of a failed check are known (not an early or unknown stop).
-STAGES_WITH_DIMS = STAGES[STAGES.index("torch.export") : STAGES.index("isolate")]
+from ..core.vocabulary import DimSource, Kind, Stage, Verdict
 
 
 @dataclass
@@ -44,16 +25,16 @@ class GraphResult:
     """
 
     name: str
-    verdict: str = FAILED
-    stage: str = "torch.export"
-    kind: str = ""
+    verdict: Verdict = Verdict.FAILED
+    stage: Stage = Stage.TORCH_EXPORT
+    kind: Kind | str = ""
     reason: str = ""
     calls: list[int] = field(default_factory=list)
     inputs: list[str] = field(default_factory=list)
     constants: dict[str, Any] = field(default_factory=dict)  # arguments bound in the graph
     dims: dict[str, dict[str, str]] = field(default_factory=dict)
     relations: list[str] = field(default_factory=list)
-    dim_sources: dict[str, str] = field(default_factory=dict)
+    dim_sources: dict[str, DimSource] = field(default_factory=dict)
     bounds: dict[str, list[int]] = field(default_factory=dict)
     onnx_path: str = ""
     program_path: str = ""  # the ExportedProgram (.pt2) with --export-target torch
@@ -72,7 +53,7 @@ class GraphResult:
 
     @property
     def passed(self) -> bool:
-        return self.verdict == PASSED
+        return self.verdict == Verdict.PASSED
 
     def renumber(self, ids: list[int]) -> None:
         """Number the calls as the model does, from ``ids[i]``: the number of this check's call ``i``."""
@@ -84,20 +65,15 @@ class GraphResult:
 class ModelResult:
     """Everything known about one model's export check; every field is JSON-native.
 
-    ``verdict`` is ``passed``/``failed``/``skipped``/``incomplete``; on failure ``stage`` is the
-    stage that failed, ``kind`` is ``error`` (an exception), ``unsupported-input`` /
-    ``unsupported-output`` (arguments or outputs torch.export cannot take), ``internal`` (a bug of
-    the plugin), ``specialized`` (a dynamic dim became
-    a constant), ``unverified`` (calls no exported graph can run), ``mismatch`` (numbers beyond
-    tolerance), ``outputs`` (output count or shape differs), ``variation`` (a generated shape
-    fails) or ``incomplete`` (the process checking it died).  A model passes when every graph in
-    ``graphs`` passes; the other fields summarize them (dims and files of the first graph).
+    On failure ``stage`` is the stage that failed and ``kind`` says what failed (see
+    :class:`~..core.vocabulary.Kind`).  A model passes when every graph in ``graphs`` passes;
+    the other fields summarize them (dims and files of the first graph).
     """
 
     name: str
-    verdict: str
-    stage: str = ""
-    kind: str = ""
+    verdict: Verdict
+    stage: Stage | str = ""
+    kind: Kind | str = ""
     reason: str = ""
     traceback: str = ""
     output: str = ""
@@ -124,12 +100,12 @@ class ModelResult:
     variations: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     expected_failure: str = ""  # the marker's xfail reason
-    dim_sources: dict[str, str] = field(default_factory=dict)
+    dim_sources: dict[str, DimSource] = field(default_factory=dict)
     graphs: list[GraphResult] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return self.verdict == PASSED
+        return self.verdict == Verdict.PASSED
 
     @property
     def elapsed(self) -> float:
@@ -139,7 +115,8 @@ class ModelResult:
         return format_dims(self.dims)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain JSON types only (the words as text): what xdist's channel and ``json`` carry."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelResult:
@@ -149,5 +126,12 @@ class ModelResult:
 
 
 def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """The fields of ``cls`` in ``data``, the vocabulary's words as members."""
     known = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in data.items() if k in known}
+    values = {k: v for k, v in data.items() if k in known}
+    for name, words in (("verdict", Verdict), ("stage", Stage), ("kind", Kind)):
+        if values.get(name) in words._value2member_map_:
+            values[name] = words(values[name])
+    if "dim_sources" in values:
+        values["dim_sources"] = {k: DimSource(v) for k, v in values["dim_sources"].items()}
+    return values

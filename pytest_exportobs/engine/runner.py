@@ -26,11 +26,11 @@ import torch
 from ..observe.store import ModelGroup
 from .check import check_model
 from .export import prepare
-from .result import ENVIRONMENT, FAILED, INTERRUPTED, ModelResult
+from ..core.vocabulary import Kind, Stage, Verdict
+from .result import ModelResult
 from .settings import CheckSettings
 
-TIMEOUT = "timeout"  # the kind of a failed result whose check ran out of time
-_STAGE_OF_STEP = {"export": "torch.export"}  # check_model's progress steps that are no stage name
+_STEP_WORDS = {Stage.TORCH_EXPORT: "export"}  # the export step runs torch.export and the translation
 
 
 class ModelTimeout(BaseException):
@@ -44,12 +44,12 @@ class _Progress:
 
     prefix: str
     write: Callable[[str], None] | None
-    stage: str = "infer"
+    stage: Stage = Stage.INFER
     begin: float = field(default_factory=time.perf_counter)
 
-    def __call__(self, step: str) -> None:
-        name = step.partition(" [")[0]  # "verify [with labels]": a graph's step
-        self.stage = _STAGE_OF_STEP.get(name, name)
+    def __call__(self, stage: Stage, graph: str = "") -> None:
+        self.stage = stage
+        step = _STEP_WORDS.get(stage, stage.value) + (f" [{graph}]" if graph else "")
         self.line(f"{step} ({time.perf_counter() - self.begin:.1f}s)")
 
     def done(self, result: ModelResult) -> ModelResult:
@@ -99,20 +99,20 @@ def _in_turn(groups: list[ModelGroup], settings: CheckSettings, trackers: list[_
         yield tracker.done(result)
 
 
-def interrupted(group: ModelGroup, stage: str = "") -> ModelResult:
+def interrupted(group: ModelGroup, stage: Stage | str = "") -> ModelResult:
     """The result of a model whose check Ctrl-C stopped at ``stage``, or never let begin."""
     when = f"during {stage}" if stage else "before its check began"
-    return _result(group, verdict=INTERRUPTED, stage=stage, kind=INTERRUPTED, reason=f"interrupted (Ctrl-C) {when}")
+    return _result(group, verdict=Verdict.INTERRUPTED, stage=stage, kind=Kind.INTERRUPTED, reason=f"interrupted (Ctrl-C) {when}")
 
 
-def _result(group: ModelGroup, verdict: str = FAILED, **fields: Any) -> ModelResult:
+def _result(group: ModelGroup, verdict: Verdict = Verdict.FAILED, **fields: Any) -> ModelResult:
     """A result the check itself could not give (time up, child dead or not started, Ctrl-C)."""
     return ModelResult(name=group.name, verdict=verdict, sources=list(group.sources),
                        model_class=group.model_class, n_observations=group.recorder.num_obs(), **fields)
 
 
-def _timed_out(group: ModelGroup, settings: CheckSettings, stage: str) -> ModelResult:
-    return _result(group, stage=stage, kind=TIMEOUT, reason=f"timed out after {settings.timeout:g} s during {stage}")
+def _timed_out(group: ModelGroup, settings: CheckSettings, stage: Stage) -> ModelResult:
+    return _result(group, stage=stage, kind=Kind.TIMEOUT, reason=f"timed out after {settings.timeout:g} s during {stage}")
 
 
 @contextlib.contextmanager
@@ -218,7 +218,7 @@ class _Child:
         if kind == "result":
             self.data = value
         else:
-            self.tracker(value)
+            self.tracker(Stage(value[0]), value[1])
         return True
 
     def end(self) -> ModelResult:
@@ -227,7 +227,7 @@ class _Child:
         self.receiver.close()
         if self.data is not None and self.process.exitcode == 0:
             return ModelResult.from_json(self.data)
-        return _result(self.group, stage="isolate", kind="error",
+        return _result(self.group, stage=Stage.ISOLATE, kind=Kind.ERROR,
                        reason=f"the isolated check process died ({_exit_reason(self.process.exitcode)})")
 
     def kill(self) -> None:
@@ -273,7 +273,7 @@ def _start(group: ModelGroup, tracker: _Progress, settings: CheckSettings, threa
         process.start()
     except OSError as e:
         receiver.close()
-        return tracker.done(_result(group, stage="isolate", kind=ENVIRONMENT,
+        return tracker.done(_result(group, stage=Stage.ISOLATE, kind=Kind.ENVIRONMENT,
                                     reason=f"could not start the isolated check process: {e}"))
     finally:
         sender.close()
@@ -302,7 +302,7 @@ def _kill_timed_out(child: _Child, settings: CheckSettings) -> ModelResult:
 def _child(group: ModelGroup, settings: CheckSettings, sender: Connection, threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to answer: it kills this process
     torch.set_num_threads(threads)  # the children share the cores
-    result = check_model(group, settings, lambda step: sender.send(("step", step)))
+    result = check_model(group, settings, lambda stage, graph: sender.send(("step", (stage.value, graph))))
     sender.send(("result", result.to_json()))
     sender.close()
     os._exit(0)  # skip pytest's atexit handlers inherited by the fork

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..core.text import error_line, first_line
+from ..core.vocabulary import DimSource
 from ..shapes.model import ShapeModel
 from ..shapes.spec import spec_api, to_shapes_spec
 from .domain import program_shapes, static_axes, upper_bounds
@@ -214,8 +215,8 @@ def _keep_static(shapes: ShapeModel, constants: dict[str, int], watch: Specializ
         notes.append(f"{name} kept static: torch.export specializes it to {value}" + (f" at {location}" if location else ""))
 
 
-def _why(source: str) -> str:
+def _why(source: DimSource) -> str:
     return {
-        "observed": "the tests vary it", "role": "a deployment varies it", "declared": "declared dynamic",
-        "forced": "set_batch_dimension_for",
+        DimSource.OBSERVED: "the tests vary it", DimSource.ROLE: "a deployment varies it",
+        DimSource.DECLARED: "declared dynamic", DimSource.FORCED: "set_batch_dimension_for",
     }.get(source, source)

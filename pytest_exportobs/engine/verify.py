@@ -17,6 +17,7 @@ import torch
 from torch.utils import _pytree
 
 from ..core.text import error_line
+from ..core.vocabulary import Kind
 from ..observe.alignment import AlignedCalls
 
 EPS = 1e-12
@@ -55,7 +56,7 @@ class Discrepancy:
 
     index: int
     ok: bool
-    kind: str = ""
+    kind: Kind | str = ""
     max_abs: float = 0.0
     max_rel: float = 0.0
     n_beyond: int = 0
@@ -101,7 +102,7 @@ def compare(
         _accumulate(result, got, ref, tolerance, name, _unread(ref, padding if encoder_side else decoder_padding,
                                                               empty_rows))
     result.ok = result.n_beyond == 0
-    result.kind = "" if result.ok else "mismatch"
+    result.kind = "" if result.ok else Kind.MISMATCH
     if result.n_beyond:
         result.detail = f"{result.n_beyond} of {result.n_values} values beyond tolerance, worst in {result.worst}"
     return result
@@ -136,7 +137,7 @@ def _unread_positions(ref: torch.Tensor, padding: torch.Tensor | None) -> torch.
 
 
 def _outputs_differ(result: Discrepancy, detail: str) -> Discrepancy:
-    result.ok, result.kind, result.detail = False, "outputs", detail
+    result.ok, result.kind, result.detail = False, Kind.OUTPUTS, detail
     result.max_abs = result.max_rel = math.inf
     return result
 

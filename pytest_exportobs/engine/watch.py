@@ -10,21 +10,14 @@ line and the input size the symbol stood for.
 
 from __future__ import annotations
 
-import inspect
-import linecache
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
+from .frames import user_location
 
 LOGGER = "torch.fx.experimental.symbolic_shapes"
-PACKAGE_DIR = str(Path(__file__).parents[1])
-TORCH_DIR = str(Path(torch.__file__).parent)
-LOGGING_DIR = str(Path(logging.__file__).parent)
 
 
 @dataclass(frozen=True)
@@ -52,7 +45,7 @@ class SpecializationWatch(logging.Handler):
         if message.startswith("create_symbol") and len(args) >= 3:
             self.sources[str(args[0])] = str(args[2])
         elif "[guard added]" in message and len(args) >= 2:
-            location = _user_location()
+            location = user_location()
             if location:
                 for symbol in self.sources:
                     if _mentions(str(args[1]), symbol):
@@ -60,7 +53,7 @@ class SpecializationWatch(logging.Handler):
         elif message.startswith("set_replacement") and len(args) >= 2 and _is_integer(args[1]):
             symbol = str(args[0])
             last = self.guards.get(symbol, [("", "")])[-1][1]
-            self.found.append(Specialization(symbol, int(args[1]), self.sources.get(symbol, ""), last or _user_location()))
+            self.found.append(Specialization(symbol, int(args[1]), self.sources.get(symbol, ""), last or user_location()))
 
     def bound_location(self, symbol: str) -> str:
         """The user line of the first inequality guard on ``symbol`` (what bounded it)."""
@@ -96,23 +89,6 @@ def watching() -> Iterator[SpecializationWatch]:
     finally:
         logger.handlers, logger.propagate = saved[0], saved[2]
         logger.setLevel(saved[1])
-
-
-def _user_location() -> str:
-    """``file:line: code`` of the innermost frame outside torch, site-packages, logging and this
-    package (frames walked by hand: formatting the whole stack per guard would be slow)."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith((TORCH_DIR, PACKAGE_DIR, LOGGING_DIR, "<")) or "site-packages" in name):
-            line = linecache.getline(name, frame.f_lineno).strip()
-            try:
-                shown = os.path.relpath(name)
-            except ValueError:
-                shown = name
-            return f"{shown}:{frame.f_lineno}" + (f": {line}" if line else "")
-        frame = frame.f_back
-    return ""
 
 
 def _mentions(expression: str, symbol: str) -> bool:

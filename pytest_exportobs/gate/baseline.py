@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..core.files import json_text, write_atomic
-from ..engine.result import FAILED, INCOMPLETE, PASSED, SKIPPED, ModelResult
+from ..core.vocabulary import Verdict
+from ..engine.result import ModelResult
 
 SCHEMA_VERSION = 1
-VERDICTS = (FAILED, INCOMPLETE, PASSED, SKIPPED)
+VERDICTS = (Verdict.FAILED, Verdict.INCOMPLETE, Verdict.PASSED, Verdict.SKIPPED)
 T = TypeVar("T")
 # field -> (validity check, what a valid value is)
 Checks = dict[str, tuple[Callable[[Any], bool], str]]

@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.text import format_dims
-from ..engine.result import FAILED, INCOMPLETE, INTERRUPTED, PASSED, SKIPPED, STAGES_WITH_DIMS, ModelResult
+from ..core.vocabulary import STAGES_WITH_DIMS, Verdict
+from ..engine.result import ModelResult
 from .baseline import Baseline, BaselineEntry, session_env
 
 # Gate outcomes besides passed / failed / skipped.
 XFAILED, XPASSED, MISSING = "xfailed", "xpassed", "missing"
 UPDATE_HINT = "run with --export-baseline-update to record"
 # Outcomes counted in an ok summary line besides passed; {s} is the plural mark.
-_COUNTED = {XFAILED: "known failure{s}", XPASSED: "fixed", SKIPPED: "skipped", MISSING: "missing"}
+_COUNTED = {XFAILED: "known failure{s}", XPASSED: "fixed", Verdict.SKIPPED: "skipped", MISSING: "missing"}
 NOT_IN_BASELINE = "not in the baseline"
 ABSENT = "absent"  # the state of a model on the side that does not have it
 # package -> (version in the baseline, version now), for the packages whose version changed
@@ -26,12 +27,12 @@ Versions = dict[str, tuple[str, str]]
 
 def _failing(verdict: str) -> bool:
     """An incomplete or interrupted check counts as a failure for the gate (never a pass)."""
-    return verdict in (FAILED, INCOMPLETE, INTERRUPTED)
+    return verdict in (Verdict.FAILED, Verdict.INCOMPLETE, Verdict.INTERRUPTED)
 
 
 def _dims_known(verdict: str, stage: str) -> bool:
     """Whether a check got far enough for its dynamic dims to mean something."""
-    return verdict == PASSED or (verdict == FAILED and stage in STAGES_WITH_DIMS)
+    return verdict == Verdict.PASSED or (verdict == Verdict.FAILED and stage in STAGES_WITH_DIMS)
 
 
 def state(verdict: str, stage: str, dims: dict[str, dict[str, str]]) -> str:
@@ -87,7 +88,7 @@ class Gate:
 
     @property
     def failed(self) -> bool:
-        return any(e.outcome == FAILED for e in self.entries)
+        return any(e.outcome == Verdict.FAILED for e in self.entries)
 
     @property
     def regressions(self) -> list[GateEntry]:
@@ -109,7 +110,7 @@ class Gate:
     def summary_line(self) -> str:
         """``exportobs gate: ok (3 passed, 1 known failure, 0 regressions)`` or what failed."""
         if self.failed:
-            failures = [e for e in self.entries if e.outcome == FAILED and not e.regression]
+            failures = [e for e in self.entries if e.outcome == Verdict.FAILED and not e.regression]
             parts = [listed(self.regressions, "regression{s}"), listed(failures, "failure{s}")]
             line = ", ".join(part for part in parts if part)
         else:
@@ -123,7 +124,7 @@ class Gate:
 
     def _counts(self) -> str:
         count = Counter(e.outcome for e in self.entries)
-        parts = [f"{count[PASSED]} passed"]
+        parts = [f"{count[Verdict.PASSED]} passed"]
         parts += [_count(count[outcome], label) for outcome, label in _COUNTED.items() if count[outcome]]
         parts.append("0 regressions" if self.has_baseline else "no baseline")
         return ", ".join(parts)
@@ -173,39 +174,39 @@ def _judge(
         notes = _notes(entry, result)
     else:
         notes = [NOT_IN_BASELINE] if has_baseline else []
-    if verdict == SKIPPED:
-        return GateEntry(name, SKIPPED, result.reason, notes=notes)
+    if verdict == Verdict.SKIPPED:
+        return GateEntry(name, Verdict.SKIPPED, result.reason, notes=notes)
     if result.expected_failure:  # the marker's xfail= decides, like pytest.mark.xfail
         if _failing(verdict):
             return GateEntry(name, XFAILED, f"expected failure: {result.expected_failure}", notes=notes)
-        return GateEntry(name, FAILED if strict else XPASSED,
+        return GateEntry(name, Verdict.FAILED if strict else XPASSED,
                          f"passes although marked xfail ({result.expected_failure})", notes=notes)
     problems = _regressions(entry, result, versions) if entry is not None else []
     if problems:
-        return GateEntry(name, FAILED, "; ".join(problems), regression=True, notes=notes)
+        return GateEntry(name, Verdict.FAILED, "; ".join(problems), regression=True, notes=notes)
     was_failing = entry is not None and _failing(entry.verdict)
     if _failing(verdict) and was_failing:
         return GateEntry(name, XFAILED, _at("known failure", result.stage), notes=notes)
     if _failing(verdict):
-        return GateEntry(name, FAILED, _at(verdict, result.stage), notes=notes)
+        return GateEntry(name, Verdict.FAILED, _at(verdict, result.stage), notes=notes)
     if not was_failing:
-        return GateEntry(name, PASSED, notes=notes)
+        return GateEntry(name, Verdict.PASSED, notes=notes)
     fixed = f"fixed: {_at(entry.verdict, entry.stage)} in the baseline, passes now"
     if strict:
-        return GateEntry(name, FAILED, f"{fixed} (strict) — {UPDATE_HINT} it", notes=notes)
+        return GateEntry(name, Verdict.FAILED, f"{fixed} (strict) — {UPDATE_HINT} it", notes=notes)
     return GateEntry(name, XPASSED, fixed, notes=notes)
 
 
 def _missing(name: str, strict: bool) -> GateEntry:
     message = "in the baseline but not observed"
-    return GateEntry(name, FAILED, f"{message} (strict)") if strict else GateEntry(name, MISSING, message)
+    return GateEntry(name, Verdict.FAILED, f"{message} (strict)") if strict else GateEntry(name, MISSING, message)
 
 
 def _regressions(entry: BaselineEntry, result: ModelResult, versions: Versions) -> list[str]:
     """A passing model now failing; dims dynamic in the baseline now static (when dims are known).
     The first problem names the versions that changed since the baseline."""
     problems = []
-    if entry.verdict == PASSED and _failing(result.verdict):
+    if entry.verdict == Verdict.PASSED and _failing(result.verdict):
         problems.append(f"passed→{_at(result.verdict, result.stage)}{_since(versions, 'passed', 'fails')}")
     if _dims_known(result.verdict, result.stage):
         now = {g.name: g.dims for g in result.graphs}

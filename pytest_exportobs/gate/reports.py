@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.files import json_text, write_atomic
-from ..engine.result import FAILED, INCOMPLETE, ModelResult
+from ..core.vocabulary import Verdict
+from ..engine.result import ModelResult
 from .baseline import CHECKS, Checks, dict_of, is_a, list_of, load_json, require, require_version, validated_model
 from .judge import Gate, GateEntry
 
@@ -130,7 +131,7 @@ def _row(cells: Iterable[str]) -> str:
 def _section(result: ModelResult, entry: GateEntry | None) -> str:
     """What went wrong with a failing model: gate message, stage, repro script, reason ("" if none)."""
     outcome = _outcome(result, entry)
-    if outcome != FAILED and result.verdict not in (FAILED, INCOMPLETE):
+    if outcome != Verdict.FAILED and result.verdict not in (Verdict.FAILED, Verdict.INCOMPLETE):
         return ""
     facts = []
     if result.stage:

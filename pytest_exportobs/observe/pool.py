@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from .recorder import CallRecorder, Observation, signature_of
-from .store import MAX_OBSERVATIONS, MAX_ORDINARY, ModelGroup, ObserveOptions, parameter_shapes
+from .options import ObserveOptions
+from .store import MAX_OBSERVATIONS, MAX_ORDINARY, ModelGroup, parameter_shapes
 
 Key = tuple[str, str]  # (base name, identity)
 FOREIGN_INSTANCE = 0  # the instance of a call recorded in another process: never a kept module's id

@@ -16,7 +16,8 @@ import pytest
 
 from ..core.paths import require_writable_directory
 from ..core.versions import package_versions
-from ..engine.result import ENVIRONMENT, INCOMPLETE, INTERRUPTED, ModelResult
+from ..core.vocabulary import Kind, Stage, Verdict
+from ..engine.result import ModelResult
 from ..gate.baseline import Baseline, BaselineError, BaselineUpdate, update_baseline
 from ..gate.judge import Gate, gate
 from .options import Options
@@ -46,7 +47,7 @@ class Concluding:
         interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
         self.gate = self._judge(results, collected, record=self.options.baseline_update and not interrupted)
         self.problems += [f"exportobs: session problem, no verdict on {r.name} (at {r.stage}): {r.reason}"
-                          for r in results if r.kind == ENVIRONMENT]
+                          for r in results if r.kind == Kind.ENVIRONMENT]
         if interrupted:
             self.problems.append(_interrupted_line(results, self.options))
         report = self.options.report
@@ -61,11 +62,11 @@ class Concluding:
     def _judge(self, results: list[ModelResult], collected: set[str], record: bool) -> Gate:
         """The gate over the verdicts (environment failures are none); with ``record``, the
         verdicts are written into the baseline first and the session is judged by them."""
-        environment = {r.name for r in results if r.kind == ENVIRONMENT}
+        environment = {r.name for r in results if r.kind == Kind.ENVIRONMENT}
         judged = [r for r in results if r.name not in environment]
         baseline = self.baseline.without(environment) if self.baseline else None
         if record:
-            recorded = [r for r in judged if r.verdict not in (INCOMPLETE, INTERRUPTED)]
+            recorded = [r for r in judged if r.verdict not in (Verdict.INCOMPLETE, Verdict.INTERRUPTED)]
             baseline = Baseline.from_results(recorded)  # failures become known ones
             self._write(f"baseline {self.options.baseline}", lambda: self._update_baseline(recorded))
         return gate(baseline, judged, self.options.strict, collected)
@@ -122,7 +123,7 @@ def _require_export_dir(options: Options) -> None:
 
 
 def _interrupted_line(results: list[ModelResult], options: Options) -> str:
-    unchecked = [r.name for r in results if r.verdict == INTERRUPTED]
+    unchecked = [r.name for r in results if r.verdict == Verdict.INTERRUPTED]
     line = f"exportobs: interrupted: {len(results) - len(unchecked)} of {len(results)} models checked"
     if unchecked:
         line += f"; not checked: {', '.join(unchecked)}"
@@ -143,7 +144,7 @@ def _update_line(path: Any, update: BaselineUpdate) -> str:
 
 def incomplete(name: str, reason: str) -> ModelResult:
     """The result of a model whose check never reported (the process observing it died, ...)."""
-    return ModelResult(name=name, verdict=INCOMPLETE, stage="observe", kind="incomplete", reason=reason)
+    return ModelResult(name=name, verdict=Verdict.INCOMPLETE, stage=Stage.OBSERVE, kind=Kind.INCOMPLETE, reason=reason)
 
 
 def progress_writer(config: pytest.Config) -> Callable[[str], None] | None:

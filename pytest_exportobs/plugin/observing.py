@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from ..observe.options import ObserveOptions
 from .options import Options
 
 MARKER = "observe_export"
@@ -23,10 +24,8 @@ NO_OBSERVE_MARKER = "no_observe_export"
 OBSERVED_PROPERTY = "exportobs"  # user_properties key naming a group a test observed
 ANNOUNCED_PROPERTY = "exportobs_announced"  # ... naming a group a test's marker is about to observe
 MARKER_HELP = (
-    "observe_export(*fixture_names, name=None, set_batch_dimension_for=None, value_if_missing=None, "
-    "dim_names=None, atol=None, rtol=None, examples=None, method='forward', xfail=None, patches=(), "
-    "store_n_calls=3): record the calls of the named fixtures' modules during this test; with "
-    "--export-check they are exported and verified at the end"
+    f"observe_export(*fixture_names, {ObserveOptions.signature()}): record the calls of the named "
+    "fixtures' modules during this test; with --export-check they are exported and verified at the end"
 )
 NO_OBSERVE_MARKER_HELP = (
     f"{NO_OBSERVE_MARKER}: --export-observe observes no model in these tests (on a test, class or module)"
@@ -93,7 +92,6 @@ class Observing:
         ``watch()`` observes it already (errors go to the caller, which counts them)."""
         if id(module) in item.stash.get(_observed_here, set()):
             return
-        from ..observe.store import ObserveOptions
 
         observing = self.store.observe(module, type(module).__qualname__, ObserveOptions(), item.nodeid)
         item.user_properties.append((OBSERVED_PROPERTY, stack.enter_context(observing).name))
@@ -153,7 +151,6 @@ class Observing:
 
 
 def _options(kwargs: dict[str, Any], where: str) -> Any:
-    from ..observe.store import ObserveOptions
 
     try:
         return ObserveOptions.from_kwargs(kwargs, where)

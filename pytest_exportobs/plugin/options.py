@@ -6,10 +6,94 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ..engine.settings import DIM_MODES, TARGETS, CheckSettings
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting, declared once: the ini key ``key`` and the option ``--export-…`` of the same
+    name (``where``: both, or only the command line or only the ini file).  A flag is a bool ini
+    key, a list is a repeatable option and one ini line per value; the command line comes first."""
+
+    key: str
+    help: str
+    where: str = "both"  # "both", "cli" or "ini"
+    kind: str = "string"  # "string", "flag" or "list"
+    default: str | bool | list[str] = ""
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def option(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+
+SETTINGS = (
+    Setting("export_check", "observe the models named by observe_export / export_observer and check their "
+            "export to ONNX at the end of the session", kind="flag", default=False),
+    Setting("export_dir", "artifacts: ONNX files, repro scripts, export cache (default: .exportobs under rootdir)",
+            metavar="DIR"),
+    Setting("export_report", "write a JSON report there, and a Markdown one beside it (.md)", metavar="PATH"),
+    Setting("export_baseline", "baseline to gate against: a model that passed there and fails now fails the run",
+            metavar="PATH"),
+    Setting("export_baseline_update", "write this session's results into the baseline (entries of models not "
+            "checked in this session are kept)", where="cli", kind="flag"),
+    Setting("export_baseline_prune", "with --export-baseline-update: remove the entries of models not checked "
+            "in this session", where="cli", kind="flag"),
+    Setting("export_examples", "hypothesis shape variations per model (default 10, 0 = off)", default="10",
+            metavar="N"),
+    Setting("export_target", "stop after torch.export (torch, fast) or go to ONNX + onnxruntime (onnx, default)",
+            default="onnx", choices=TARGETS),
+    Setting("export_strict", "a fixed known failure or a baseline entry with no model fails the gate",
+            kind="flag", default=False),
+    Setting("export_isolate", "export and run each model in a subprocess (a native crash fails one model)",
+            kind="flag", default=False),
+    Setting("export_jobs", "check N models at once, each in a forked process; auto = the usable cores (shared "
+            "among xdist workers) (default: 1)", default="1", metavar="N"),
+    Setting("export_timeout", "time limit of each model's check in seconds: beyond it the model fails with "
+            "kind timeout (default: none)", metavar="SECONDS"),
+    Setting("export_observe", "observe every instance of this torch.nn.Module class (dotted path; subclasses "
+            "included) that a test calls, outermost calls only; repeatable, one per line in ini", kind="list",
+            default=[], metavar="CLASS"),
+    Setting("export_observe_exclude", "fnmatch patterns, one per line: tests (node ids) and model classes "
+            "(module.qualname) export_observe leaves alone", where="ini", kind="list", default=[]),
+    Setting("export_atol", "absolute tolerance for every model (default: per dtype)", where="ini"),
+    Setting("export_rtol", "relative tolerance for every model (default: per dtype)", where="ini"),
+    Setting("export_dims", "roles (default): batch, sequence, cache and encoder lengths are dynamic even when "
+            "the tests never vary them; observed: only the dims the tests vary", where="ini", default="roles",
+            choices=DIM_MODES),
+    Setting("export_patches", "dotted paths to context-manager factories entered around export and "
+            "verification, one per line", where="ini", kind="list", default=[]),
+)
+_INI_TYPES = {"string": "string", "flag": "bool", "list": "linelist"}
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Register the ``exportobs`` option group and the ini keys of :data:`SETTINGS`."""
+    group = parser.getgroup("exportobs", "export-readiness checks of observed PyTorch models")
+    for setting in SETTINGS:
+        if setting.where != "ini":
+            shown = f"{setting.help} (ini: {setting.key})" if setting.where == "both" else setting.help
+            if setting.kind == "flag":
+                group.addoption(setting.option, action="store_true", default=None, help=shown)
+            else:
+                group.addoption(setting.option, action="append" if setting.kind == "list" else "store", default=None,
+                                metavar=setting.metavar, choices=setting.choices, help=shown)
+        if setting.where != "cli":
+            parser.addini(setting.key, setting.help, type=_INI_TYPES[setting.kind], default=setting.default)
+
+
+def read(config: pytest.Config, key: str) -> Any:
+    """The value of a setting: the command line's when given, else the ini file's (its default)."""
+    setting = next(s for s in SETTINGS if s.key == key)
+    given = getattr(config.option, key) if setting.where != "ini" else None
+    if given is not None or setting.where == "cli":
+        return bool(given) if setting.kind == "flag" else given
+    return config.getini(key)
 
 
 @dataclass(frozen=True)
@@ -33,100 +117,46 @@ class Options:
     @classmethod
     def from_config(cls, config: pytest.Config) -> Options:
         """Read options and ini keys; bad values and combinations raise ``pytest.UsageError``."""
-        option = config.option
-        enabled = bool(option.export_check) or config.getini("export_check")
-        if option.export_baseline_update and not enabled:
+        enabled = read(config, "export_check")
+        if read(config, "export_baseline_update") and not enabled:
             raise pytest.UsageError("--export-baseline-update needs --export-check (or ini export_check = true): "
                                     "without the check there is nothing to record")
-        if option.export_baseline_prune and not option.export_baseline_update:
+        if read(config, "export_baseline_prune") and not read(config, "export_baseline_update"):
             raise pytest.UsageError("--export-baseline-prune only applies with --export-baseline-update")
-        jobs = _jobs(option.export_jobs or config.getini("export_jobs"), config)
+        jobs = _jobs(read(config, "export_jobs"), config)
         return cls(
             enabled=enabled,
-            report=_path(config, option.export_report, "export_report"),
-            baseline=_path(config, option.export_baseline, "export_baseline"),
-            baseline_update=bool(option.export_baseline_update),
-            baseline_prune=bool(option.export_baseline_prune),
-            strict=bool(option.export_strict) or config.getini("export_strict"),
-            isolate=bool(option.export_isolate) or config.getini("export_isolate"),
+            report=_path(config, "export_report"),
+            baseline=_path(config, "export_baseline"),
+            baseline_update=read(config, "export_baseline_update"),
+            baseline_prune=read(config, "export_baseline_prune"),
+            strict=read(config, "export_strict"),
+            isolate=read(config, "export_isolate"),
             jobs=jobs,
             threads=max(1, _share_of_cores(config) // jobs),
             check=CheckSettings(
-                export_dir=_path(config, option.export_dir, "export_dir") or config.rootpath / ".exportobs",
-                target=_choice(option.export_target or config.getini("export_target") or "onnx", "export_target", TARGETS),
-                atol=_float(config.getini("export_atol"), "export_atol"),
-                rtol=_float(config.getini("export_rtol"), "export_rtol"),
-                examples=_int(option.export_examples, config.getini("export_examples"), "export_examples"),
-                patches=tuple(config.getini("export_patches")),
+                export_dir=_path(config, "export_dir") or config.rootpath / ".exportobs",
+                target=_choice(read(config, "export_target") or "onnx", "export_target", TARGETS),
+                atol=_float(read(config, "export_atol"), "export_atol"),
+                rtol=_float(read(config, "export_rtol"), "export_rtol"),
+                examples=_int(read(config, "export_examples"), "export_examples"),
+                patches=_lines(read(config, "export_patches")),
                 hypothesis_seed=_hypothesis_seed(config),
-                dims=_choice(config.getini("export_dims") or "roles", "export_dims", DIM_MODES),
-                timeout=_timeout(option.export_timeout or config.getini("export_timeout")),
+                dims=_choice(read(config, "export_dims") or "roles", "export_dims", DIM_MODES),
+                timeout=_timeout(read(config, "export_timeout")),
             ),
-            observe=_lines(option.export_observe or config.getini("export_observe")),
-            observe_exclude=_lines(config.getini("export_observe_exclude")),
+            observe=_lines(read(config, "export_observe")),
+            observe_exclude=_lines(read(config, "export_observe_exclude")),
         )
 
 
-def add_options(parser: pytest.Parser) -> None:
-    """Register the ``exportobs`` option group and its ini keys."""
-    group = parser.getgroup("exportobs", "export-readiness checks of observed PyTorch models")
-    group.addoption("--export-check", action="store_true", default=None,
-                    help="observe the models named by observe_export / export_observer and check "
-                         "their export to ONNX at the end of the session (ini: export_check)")
-    group.addoption("--export-dir", metavar="DIR", default=None,
-                    help="artifacts: ONNX files, repro scripts, export cache (default: .exportobs under rootdir)")
-    group.addoption("--export-report", metavar="PATH", default=None,
-                    help="write a JSON report there, and a Markdown one beside it (.md)")
-    group.addoption("--export-baseline", metavar="PATH", default=None,
-                    help="baseline to gate against: a model that passed there and fails now fails the run")
-    group.addoption("--export-baseline-update", action="store_true", default=False,
-                    help="write this session's results into the baseline (entries of models not "
-                         "checked in this session are kept)")
-    group.addoption("--export-baseline-prune", action="store_true", default=False,
-                    help="with --export-baseline-update: remove the entries of models not checked in this session")
-    group.addoption("--export-examples", metavar="N", type=int, default=None,
-                    help="hypothesis shape variations per model (default 10, 0 = off)")
-    group.addoption("--export-target", choices=TARGETS, default=None,
-                    help="stop after torch.export (torch, fast) or go to ONNX + onnxruntime (onnx, default)")
-    group.addoption("--export-strict", action="store_true", default=None,
-                    help="a fixed known failure or a baseline entry with no model fails the gate")
-    group.addoption("--export-isolate", action="store_true", default=None,
-                    help="export and run each model in a subprocess (a native crash fails one model)")
-    group.addoption("--export-jobs", metavar="N", default=None,
-                    help="check N models at once, each in a forked process; auto = the usable cores "
-                         "(shared among xdist workers) (ini: export_jobs; default: 1)")
-    group.addoption("--export-timeout", metavar="SECONDS", default=None,
-                    help="time limit of each model's check: beyond it the model fails with kind "
-                         "timeout (ini: export_timeout; default: none)")
-    group.addoption("--export-observe", metavar="CLASS", action="append", default=None,
-                    help="observe every instance of this torch.nn.Module class (dotted path; subclasses "
-                         "included) that a test calls, outermost calls only; repeatable (ini: export_observe)")
-    parser.addini("export_check", "observe and check exports (like --export-check)", type="bool", default=False)
-    parser.addini("export_dir", "artifacts directory (like --export-dir)", default="")
-    parser.addini("export_report", "JSON report path (like --export-report)", default="")
-    parser.addini("export_baseline", "baseline path (like --export-baseline)", default="")
-    parser.addini("export_examples", "shape variations per model (like --export-examples)", default="10")
-    parser.addini("export_target", "onnx or torch (like --export-target)", default="onnx")
-    parser.addini("export_strict", "strict gate (like --export-strict)", type="bool", default=False)
-    parser.addini("export_isolate", "one subprocess per model (like --export-isolate)", type="bool", default=False)
-    parser.addini("export_jobs", "models checked at once (like --export-jobs)", default="1")
-    parser.addini("export_timeout", "time limit of each model's check in seconds (like --export-timeout)", default="")
-    parser.addini("export_atol", "absolute tolerance for every model (default: per dtype)", default="")
-    parser.addini("export_rtol", "relative tolerance for every model (default: per dtype)", default="")
-    parser.addini("export_dims", "roles (default): batch, sequence, cache and encoder lengths are dynamic even "
-                  "when the tests never vary them; observed: only the dims the tests vary", default="roles")
-    parser.addini("export_patches", "dotted paths to context-manager factories entered around export "
-                  "and verification", type="linelist", default=[])
-    parser.addini("export_observe", "dotted paths of torch.nn.Module classes whose called instances are "
-                  "observed, one per line (like --export-observe)", type="linelist", default=[])
-    parser.addini("export_observe_exclude", "fnmatch patterns, one per line: tests (node ids) and model "
-                  "classes (module.qualname) export_observe leaves alone", type="linelist", default=[])
-
-
-def _path(config: pytest.Config, cli: str | None, ini_key: str) -> Path | None:
-    if cli:
-        return Path(config.invocation_params.dir, cli)
-    value = config.getini(ini_key)
+def _path(config: pytest.Config, key: str) -> Path | None:
+    """A path given on the command line is relative to the invocation directory, one in the ini
+    file to the ini file's directory."""
+    given = getattr(config.option, key)
+    if given:
+        return Path(config.invocation_params.dir, given)
+    value = config.getini(key)
     if not value:
         return None
     base = config.inipath.parent if config.inipath else config.rootpath
@@ -137,8 +167,7 @@ def _lines(values: list[str]) -> tuple[str, ...]:
     return tuple(v.strip() for v in values if v.strip())
 
 
-def _int(cli: int | None, ini: str, name: str) -> int:
-    value = cli if cli is not None else ini
+def _int(value: str, name: str) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):

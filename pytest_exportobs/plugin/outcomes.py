@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from ..core.text import format_dims
-from ..engine.result import ENVIRONMENT, ModelResult
+from ..core.vocabulary import Kind
+from ..engine.result import ModelResult
 from ..gate.judge import Gate, GateEntry
 
 PREFIX = "exportobs::"
@@ -35,7 +36,7 @@ def log_outcomes(config: pytest.Config, results: dict[str, ModelResult], gate: G
         result = results.get(entry.name)
         _log(config, entry.name, [_report(entry, result, when, verbose) for when in ("setup", "call", "teardown")])
     for result in results.values():
-        if result.kind == ENVIRONMENT:
+        if result.kind == Kind.ENVIRONMENT:
             problem = (f"session problem at {result.stage}: {result.reason}\n"
                        "no verdict on the model, and its baseline entry is kept as it was")
             _log(config, result.name, [_test_report(result.name, "setup", "failed", problem),
@@ -146,7 +147,7 @@ def summary_rows(results: dict[str, ModelResult], gate: Gate) -> list[str]:
                       f"{sum(g.timings.values()):.1f}s", format_dims(g.dims)) for g in result.graphs]
     rows += [
         (r.name, "error", r.stage or "-", str(r.n_observations), "-", f"{r.elapsed:.1f}s", "session problem")
-        for r in results.values() if r.kind == ENVIRONMENT
+        for r in results.values() if r.kind == Kind.ENVIRONMENT
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     return ["  ".join([*(c.ljust(w) for c, w in zip(r, widths)), r[-1]]).rstrip() for r in rows]

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from ..engine.result import INTERRUPTED, ModelResult
+from ..core.vocabulary import Verdict
+from ..engine.result import ModelResult
 from . import xdist
 from .conclusion import Concluding, incomplete, progress_writer
 from .observing import ANNOUNCED_PROPERTY, OBSERVED_PROPERTY, Observing
@@ -39,7 +40,7 @@ def _check(
     if session.exitstatus == pytest.ExitCode.INTERRUPTED:
         return [interrupted(group) for group in groups]
     results = list(check_all(groups, options.check, options.isolate, progress, options.jobs, options.threads))
-    if any(r.verdict == INTERRUPTED for r in results):
+    if any(r.verdict == Verdict.INTERRUPTED for r in results):
         session.exitstatus = pytest.ExitCode.INTERRUPTED
     return results
 

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-Axis = tuple[int, int]  # (flat leaf index, dimension)
+from ..core.vocabulary import DimSource
 
-# Why a dimension is dynamic, strongest first: the user said so, its input was named in
-# set_batch_dimension_for, the calls varied it, its role demands it, its role is a guess.
-SOURCES = ("declared", "forced", "observed", "role", "guess")
+Axis = tuple[int, int]  # (flat leaf index, dimension)
 
 
 @dataclass(frozen=True)
@@ -37,13 +35,13 @@ class Relation:
 @dataclass
 class Variable:
     """A dimension variable: its axes, the size it had in each call (``None``: unknown), why it
-    is dynamic (one of :data:`SOURCES`) and the role of its axes, if any."""
+    is dynamic and the role of its axes, if any."""
 
     name: str
     axes: list[Axis]
     values: list[int | None]
     stood_in: list[bool] = field(default_factory=list)  # the size is only an empty stand-in's 0
-    source: str = "observed"
+    source: DimSource = DimSource.OBSERVED
     role: str | None = None
 
     @property
@@ -57,7 +55,7 @@ class Variable:
     @property
     def demanded(self) -> bool:
         """Whether a deployment needs it dynamic (anything but a guess from a generic input)."""
-        return self.source != "guess"
+        return self.source != DimSource.GUESS
 
     def recorded_bounds(self) -> tuple[int, int]:
         """Bounds over the sizes real inputs had (a stand-in's 0 left out)."""

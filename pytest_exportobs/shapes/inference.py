@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ..observe.alignment import AlignedCalls
-from .dims import SOURCES, Axis, Relation, Variable
+from ..core.vocabulary import DimSource
+from .dims import Axis, Relation, Variable
 from .roles import Role, axis_roles, cache_kind
 
 Sizes = dict[Axis, list[int | None]]
@@ -40,22 +41,22 @@ def infer_variables(aligned: AlignedCalls, forced: set[Axis], policy: DimPolicy 
     sizes = _axis_sizes(aligned, empty)
     roles = axis_roles(aligned) if policy.roles else {}
     declared, pinned = _named_axes(aligned, policy.dynamic), _named_axes(aligned, policy.static)
-    sources: dict[Axis, str] = {}
+    sources: dict[Axis, DimSource] = {}
     for axis, values in sizes.items():
         role = roles.get(axis)
         reasons = {
-            "declared": axis in declared, "forced": axis in forced,
-            "observed": len(set(_present(aligned, axis, values))) > 1,
-            "role": role is not None and role.demanded, "guess": role is not None and not role.demanded,
+            DimSource.DECLARED: axis in declared, DimSource.FORCED: axis in forced,
+            DimSource.OBSERVED: len(set(_present(aligned, axis, values))) > 1,
+            DimSource.ROLE: role is not None and role.demanded, DimSource.GUESS: role is not None and not role.demanded,
         }
-        source = next((name for name in SOURCES if reasons[name]), None)
+        source = next((name for name in DimSource if reasons[name]), None)
         if source is not None and axis not in pinned:
             sources[axis] = source
     groups = _group(aligned, list(sources), sizes, roles, forced, join_partial=policy.roles)
     return [
         Variable(
             "", group, _merged(sizes, group), _stood_in(aligned, group),
-            source=min((sources[a] for a in group), key=SOURCES.index),
+            source=min((sources[a] for a in group), key=list(DimSource).index),
             role=next((roles[a].name for a in group if a in roles), None),
         )
         for group in groups

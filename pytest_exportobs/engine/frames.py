@@ -1,0 +1,54 @@
+"""Where in the user's code something happened: the innermost frame outside torch, installed
+packages, logging and this package, as ``file:line: code``."""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import logging
+import os
+import re
+import traceback
+from pathlib import Path
+
+import torch
+
+_NOT_USER_DIRS = tuple(str(Path(m.__file__).parent) for m in (torch, logging)) + (str(Path(__file__).parents[1]), "<")
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether ``filename`` is the user's code (not torch, an installed package, logging or ours)."""
+    return not filename.startswith(_NOT_USER_DIRS) and "site-packages" not in filename and "/torch/" not in filename
+
+
+def user_location() -> str:
+    """The innermost user frame of the current stack (frames walked by hand: formatting the
+    whole stack per guard torch records would be slow); ``""`` if none."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if is_user_file(frame.f_code.co_filename):
+            return _location(frame.f_code.co_filename, frame.f_lineno, linecache.getline(frame.f_code.co_filename, frame.f_lineno))
+        frame = frame.f_back
+    return ""
+
+
+def user_frame(error: BaseException) -> str:
+    """The innermost user frame of ``error``'s traceback and its cause's, else the last user
+    ``File "...", line N`` its message quotes (torch quotes the frame that raised); ``""`` if none."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for cause in (error.__cause__, error.__context__):
+        if cause is not None:
+            frames = frames + traceback.extract_tb(cause.__traceback__)
+    user = [f for f in frames if is_user_file(f.filename)]
+    if user:
+        return _location(user[-1].filename, user[-1].lineno or 0, user[-1].line or "")
+    quoted = [(p, n) for p, n in re.findall(r'File "([^"]+)", line (\d+)', str(error)) if is_user_file(p)]
+    return _location(quoted[-1][0], int(quoted[-1][1]), "") if quoted else ""
+
+
+def _location(filename: str, lineno: int, line: str) -> str:
+    try:
+        shown = os.path.relpath(filename)
+    except ValueError:  # another drive (Windows)
+        shown = filename
+    return f"{shown}:{lineno}" + (f": {line.strip()}" if line.strip() else "")
