@@ -103,7 +103,8 @@ class InputObserver(CallRecorder):
     def _shapes_spec(self, set_batch_dimension_for: bool | set[int | str] | None) -> Any:
         if spec_api() is None:
             raise ObserverError(
-                f"as_spec=True needs torch >= 2.14 (torch.fx.experimental.dynamic_spec); this is torch {torch.__version__}"
+                "as_spec=True needs torch >= 2.14 (torch.fx.experimental.dynamic_spec); "
+                f"this is torch {torch.__version__}"
             )
         shapes = self._shape_model(set_batch_dimension_for, True)
         with flattening_context():

@@ -68,7 +68,8 @@ class MixedLayers:
 def _dumpable(context: list[str] | MixedLayers) -> Any:
     """A flattening context as JSON (a repro saves the input tree)."""
     if isinstance(context, MixedLayers):
-        return {"names": list(context.names), "layers": [[name, [list(a) for a in arguments]] for name, arguments in context.layers]}
+        layers = [[name, [list(a) for a in arguments]] for name, arguments in context.layers]
+        return {"names": list(context.names), "layers": layers}
     return context
 
 

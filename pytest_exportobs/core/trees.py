@@ -59,8 +59,11 @@ def spec_paths(spec: _pytree.TreeSpec, prefix: str = "") -> list[str]:
         return [prefix]
     children = spec_children(spec)
     context = spec.context
-    if isinstance(context, (list, tuple)) and len(context) == len(children) and all(isinstance(c, str) for c in context):
+    named = isinstance(context, (list, tuple)) and len(context) == len(children)
+    if named and all(isinstance(c, str) for c in context):
         keys = list(context)
     else:
         keys = [str(i) for i in range(len(children))]
-    return [path for key, child in zip(keys, children) for path in spec_paths(child, f"{prefix}.{key}" if prefix else key)]
+    return [
+        path for key, child in zip(keys, children) for path in spec_paths(child, f"{prefix}.{key}" if prefix else key)
+    ]

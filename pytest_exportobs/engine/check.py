@@ -24,17 +24,17 @@ from ..core.paths import model_directory
 from ..core.text import error_line
 from ..core.trees import flattening_context
 from ..core.versions import package_versions
+from ..core.vocabulary import Kind, Stage, Verdict
 from ..observe.binding import UnsupportedInput
 from ..observe.store import ModelGroup, parameter_shapes
 from ..observe.structures import structure_difference
 from ..shapes.inference import DimPolicy
 from ..shapes.model import ShapeModel
 from . import patches
+from .environment import EnvironmentProblem
 from .graph import GraphCheck, ModelContext
 from .graphs import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
 from .references import ReferenceFailed, references
-from .environment import EnvironmentProblem
-from ..core.vocabulary import Kind, Stage, Verdict
 from .result import GraphResult, ModelResult
 from .settings import CheckSettings
 from .verify import Tolerance
@@ -43,7 +43,9 @@ Progress = Callable[[Stage, str], None]  # the stage a check reached, on which g
 T = TypeVar("T")
 
 
-def check_model(group: ModelGroup, settings: CheckSettings, progress: Progress = lambda stage, graph: None) -> ModelResult:
+def check_model(
+    group: ModelGroup, settings: CheckSettings, progress: Progress = lambda stage, graph: None
+) -> ModelResult:
     """Check one group; never raises.  A failure of a stage is the model's; an exception the
     engine did not expect is stage ``engine``, kind ``internal``: a bug of the plugin."""
     recorder = group.recorder
@@ -167,13 +169,15 @@ class _ModelCheck:
         self.result.reference = found.origin
         if not any(isinstance(t, torch.Tensor) for outputs in found.outputs for t in outputs):
             raise ModelProblem(
-                Stage.INFER, Kind.UNSUPPORTED_OUTPUT, "the model returns no tensor (None or constants only): nothing to export"
+                Stage.INFER, Kind.UNSUPPORTED_OUTPUT,
+                "the model returns no tensor (None or constants only): nothing to export",
             )
         return found
 
     def _context(self, family: list[int], observations: list[Any], found: Any) -> ModelContext:
         """What the graphs of one family share (calls indexed as in the family)."""
-        tolerance = Tolerance(_first(self.options.atol, self.settings.atol), _first(self.options.rtol, self.settings.rtol))
+        options, settings = self.options, self.settings
+        tolerance = Tolerance(_first(options.atol, settings.atol), _first(options.rtol, settings.rtol))
         self.result.atol, self.result.rtol = tolerance.atol, tolerance.rtol
         return ModelContext(
             group=self.group, settings=self.settings, tolerance=tolerance,
@@ -238,7 +242,8 @@ def _summarize(result: ModelResult, graphs: list[GraphResult], unverified: list[
     result.graphs = graphs
     first, several = graphs[0], len(graphs) > 1
     result.dims, result.relations, result.bounds = first.dims, first.relations, first.bounds
-    result.onnx_path, result.cache_hit, result.opset, result.op_counts = first.onnx_path, first.cache_hit, first.opset, first.op_counts
+    result.onnx_path, result.cache_hit = first.onnx_path, first.cache_hit
+    result.opset, result.op_counts = first.opset, first.op_counts
     result.dim_sources = {name: source for g in graphs for name, source in g.dim_sources.items()}
     result.max_abs = max((g.max_abs for g in graphs if g.max_abs is not None), default=None)
     result.max_rel = max((g.max_rel for g in graphs if g.max_rel is not None), default=None)
@@ -257,7 +262,8 @@ def _summarize(result: ModelResult, graphs: list[GraphResult], unverified: list[
         failing = skipped
         result.verdict = Verdict.SKIPPED
     if failing is not None:
-        result.stage, result.kind, result.traceback, result.repro_path = failing.stage, failing.kind, failing.traceback, failing.repro_path
+        result.stage, result.kind = failing.stage, failing.kind
+        result.traceback, result.repro_path = failing.traceback, failing.repro_path
         result.reason = f"[{failing.name}] {failing.reason}" if several and failing.name else failing.reason
     elif unverified:
         result.stage, result.kind = Stage.VERIFY, Kind.UNVERIFIED

@@ -81,7 +81,9 @@ def upper_bounds(
     return found
 
 
-def read_dims(shapes: ShapeModel, inputs: list[int], read: list[Shape], names: dict[str, str]) -> dict[str, dict[str, str]]:
+def read_dims(
+    shapes: ShapeModel, inputs: list[int], read: list[Shape], names: dict[str, str]
+) -> dict[str, dict[str, str]]:
     """``{input: {axis: name}}`` of every axis that is not a constant in ``read``; sympy
     expressions are spelled with the variable names in ``names`` (symbol -> name)."""
     dims: dict[str, dict[str, str]] = {}

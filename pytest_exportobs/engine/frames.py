@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-_NOT_USER_DIRS = tuple(str(Path(m.__file__).parent) for m in (torch, logging)) + (str(Path(__file__).parents[1]), "<")
+_NOT_USER_DIRS = (*(str(Path(m.__file__).parent) for m in (torch, logging)), str(Path(__file__).parents[1]), "<")
 
 
 def is_user_file(filename: str) -> bool:
@@ -26,8 +26,9 @@ def user_location() -> str:
     whole stack per guard torch records would be slow); ``""`` if none."""
     frame = inspect.currentframe()
     while frame is not None:
-        if is_user_file(frame.f_code.co_filename):
-            return _location(frame.f_code.co_filename, frame.f_lineno, linecache.getline(frame.f_code.co_filename, frame.f_lineno))
+        filename = frame.f_code.co_filename
+        if is_user_file(filename):
+            return _location(filename, frame.f_lineno, linecache.getline(filename, frame.f_lineno))
         frame = frame.f_back
     return ""
 

@@ -18,22 +18,30 @@ import torch
 
 from ..core.text import error_line
 from ..core.trees import flat_outputs
+from ..core.vocabulary import Kind, Stage, Verdict
 from ..observe.recorder import Observation
 from ..observe.store import ModelGroup
 from ..shapes.model import ShapeModel
 from .cache import ExportCache
-from .export import ExportOutcome, export_model
 from .environment import writing
+from .export import ExportOutcome, export_model
 from .graphs import GraphPlan
 from .probe import SizeProbe, probe_unvaried_dims
 from .references import refreshed, reproduction
 from .repro import write_repro
-from ..core.vocabulary import Kind, Stage, Verdict
 from .result import GraphResult
 from .settings import CheckSettings
 from .variations import explore
 from .verify import (
-    Discrepancy, NativeCrash, OnnxRunner, OutputLayout, RuntimeGap, Tolerance, probe_load, program_runner, verify_calls,
+    Discrepancy,
+    NativeCrash,
+    OnnxRunner,
+    OutputLayout,
+    RuntimeGap,
+    Tolerance,
+    probe_load,
+    program_runner,
+    verify_calls,
 )
 
 T = TypeVar("T")
@@ -126,7 +134,8 @@ class GraphCheck:
     def _export(self) -> ExportOutcome:
         context, result = self.context, self.result
         context.progress(Stage.TORCH_EXPORT, self.plan.name)
-        cache = ExportCache(context.settings.export_dir / "cache", context.patches) if context.settings.use_cache else None
+        settings = context.settings
+        cache = ExportCache(settings.export_dir / "cache", context.patches) if settings.use_cache else None
         probe = SizeProbe(self.shapes, context.eager(self.shapes, flat=False))
         outcome = context.quiet(lambda: export_model(
             context.module, self.shapes, context.settings.target, self.directory / "model.onnx", cache,
@@ -236,7 +245,8 @@ class GraphCheck:
         references eager no longer gives are recomputed for every call."""
         context, result = self.context, self.result
         observation = context.observations[call]
-        found = context.quiet(lambda: reproduction(context.group, observation, context.references[call], context.tolerance))
+        reference = context.references[call]
+        found = context.quiet(lambda: reproduction(context.group, observation, reference, context.tolerance))
         if found == "nondeterministic":
             result.kind = Kind.NONDETERMINISTIC
             result.reason = (f"call {context.ids[call]} from {observation.source or 'recorded call'}: two eager runs "

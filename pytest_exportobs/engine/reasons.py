@@ -49,5 +49,6 @@ def unsupported_ops(message: str) -> list[str]:
     ops: list[str] = []
     for line in message.splitlines():
         if re.search(r"no onnx function|unsupported|not supported|dispatch", line, re.IGNORECASE):
-            ops.extend(m for m in re.findall(r"\b[a-z_]+(?:::|\.)[a-zA-Z_]\w*(?:\.\w+)?", line) if "aten" in m or "::" in m)
+            names = re.findall(r"\b[a-z_]+(?:::|\.)[a-zA-Z_]\w*(?:\.\w+)?", line)
+            ops.extend(m for m in names if "aten" in m or "::" in m)
     return sorted(set(ops))

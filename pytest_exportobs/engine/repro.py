@@ -22,8 +22,8 @@ import torch
 from torch.utils import _pytree
 
 from ..core.trees import flattening_context, spec_children
-from ..shapes.model import ShapeModel
 from ..core.vocabulary import STAGES, Stage
+from ..shapes.model import ShapeModel
 
 # The stages a script can rerun: from torch.export to the variations.
 REPRO_STAGES = STAGES[STAGES.index(Stage.TORCH_EXPORT) : STAGES.index(Stage.VARIATIONS) + 1]
@@ -124,7 +124,8 @@ def main() -> int:
     actual = run_exported(model, *load_call())
     args, kwargs = load_call()
     result = compare(actual, _pytree.tree_leaves(model(*args, **kwargs)), Tolerance(ATOL, RTOL))
-    print(f"max abs diff {result.max_abs:.3g}, max rel diff {result.max_rel:.3g}: {result.detail or 'within tolerance'}")
+    print(f"max abs diff {result.max_abs:.3g}, max rel diff {result.max_rel:.3g}: "
+          f"{result.detail or 'within tolerance'}")
     return 0 if result.ok else 1
 '''
 
@@ -170,7 +171,8 @@ def _script(
     flow = "torch.export" if stage == "torch.export" else "torch" if target == "torch" else "onnx"
     constants = []
     if flow != "onnx":
-        constants.append(f"SIZE_OBLIVIOUS = {_size_oblivious(shapes, leaves)}  # is a dynamic size 0 or 1 in the inputs?")
+        oblivious = _size_oblivious(shapes, leaves)
+        constants.append(f"SIZE_OBLIVIOUS = {oblivious}  # is a dynamic size 0 or 1 in the inputs?")
     if flow != "torch.export":
         constants.append(f"ATOL, RTOL = {atol!r}, {rtol!r}  # None: pytest-exportobs' default for the dtype")
     return _SCRIPT.format(
@@ -208,7 +210,9 @@ def _builder(module: torch.nn.Module) -> _Builder:
         body = f'    return {cls.__qualname__}.from_config(json.loads((HERE / "config.json").read_text()))'
         return _manual_builder(cls, why_not) if why_not else _Builder(_import_lines(cls), body, config=text)
     why_not = _not_importable(cls) or _constructor_problem(cls, module)
-    return _manual_builder(cls, why_not) if why_not else _Builder(_import_lines(cls), f"    return {cls.__qualname__}()")
+    if why_not:
+        return _manual_builder(cls, why_not)
+    return _Builder(_import_lines(cls), f"    return {cls.__qualname__}()")
 
 
 def _config_builder(cls: type, config: Any) -> _Builder:

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from ..core.vocabulary import Kind, Stage, Verdict
 from ..observe.store import ModelGroup
 from .check import check_model
 from .export import prepare
-from ..core.vocabulary import Kind, Stage, Verdict
 from .result import ModelResult
 from .settings import CheckSettings
 
@@ -102,7 +102,8 @@ def _in_turn(groups: list[ModelGroup], settings: CheckSettings, trackers: list[_
 def interrupted(group: ModelGroup, stage: Stage | str = "") -> ModelResult:
     """The result of a model whose check Ctrl-C stopped at ``stage``, or never let begin."""
     when = f"during {stage}" if stage else "before its check began"
-    return _result(group, verdict=Verdict.INTERRUPTED, stage=stage, kind=Kind.INTERRUPTED, reason=f"interrupted (Ctrl-C) {when}")
+    return _result(group, verdict=Verdict.INTERRUPTED, stage=stage, kind=Kind.INTERRUPTED,
+                   reason=f"interrupted (Ctrl-C) {when}")
 
 
 def _result(group: ModelGroup, verdict: Verdict = Verdict.FAILED, **fields: Any) -> ModelResult:
@@ -112,7 +113,8 @@ def _result(group: ModelGroup, verdict: Verdict = Verdict.FAILED, **fields: Any)
 
 
 def _timed_out(group: ModelGroup, settings: CheckSettings, stage: Stage) -> ModelResult:
-    return _result(group, stage=stage, kind=Kind.TIMEOUT, reason=f"timed out after {settings.timeout:g} s during {stage}")
+    return _result(group, stage=stage, kind=Kind.TIMEOUT,
+                   reason=f"timed out after {settings.timeout:g} s during {stage}")
 
 
 @contextlib.contextmanager

@@ -88,7 +88,8 @@ def _spec_export(
     of the exported program.  ``None``, with a note, when torch cannot (a branch on a size of an
     unbacked dim, a nest the spec cannot address): the named dims are tried then."""
     try:
-        program = torch.export.export(module, example.args, example.kwargs, dynamic_shapes=to_shapes_spec(shapes, constants))
+        spec = to_shapes_spec(shapes, constants)
+        program = torch.export.export(module, example.args, example.kwargs, dynamic_shapes=spec)
     except Exception as e:  # whatever the spec path meets, the named dims remain
         notes.append(f"dims as named torch.export.Dim: the ShapesSpec export failed ({error_line(e)})")
         return None
@@ -212,7 +213,8 @@ def _keep_static(shapes: ShapeModel, constants: dict[str, int], watch: Specializ
         if var.demanded:
             raise Specialized(shapes, name, f"specialized to {value}", location)
         shapes.drop(name)
-        notes.append(f"{name} kept static: torch.export specializes it to {value}" + (f" at {location}" if location else ""))
+        where = f" at {location}" if location else ""
+        notes.append(f"{name} kept static: torch.export specializes it to {value}{where}")
 
 
 def _why(source: DimSource) -> str:

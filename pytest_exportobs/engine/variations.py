@@ -5,7 +5,8 @@ observed bounds (derived variables follow their relation, equal dimensions are o
 :func:`~..shapes.synthesis.build_leaves` turns the sizes into valid inputs.  An example is *invalid* when
 the eager model itself raises on it, *failed* when the exported model raises or disagrees with
 eager beyond the verify stage's tolerances.  Labels lined up with a padding mask ignore its padded
-positions, unless eager rejects the ignore index (then the example runs with the plain labels).  Hypothesis shrinks a failure to its smallest sizes.
+positions, unless eager rejects the ignore index (then the example runs with the plain labels).
+Hypothesis shrinks a failure to its smallest sizes.
 
 Randomness: with ``seed`` or under ``CI=true`` the examples are derandomized (same examples
 every run; hypothesis then disables its database, as it does for ``@seed`` and
@@ -33,7 +34,13 @@ import torch
 from ..core.trees import detached_clone
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import (
-    Recipe, build_leaves, complete_sizes, free_variables, ignore_padded_labels, leaf_shapes, recipes,
+    Recipe,
+    build_leaves,
+    complete_sizes,
+    free_variables,
+    ignore_padded_labels,
+    leaf_shapes,
+    recipes,
 )
 from .verify import Discrepancy, OutputLayout, Tolerance, run_and_compare
 

@@ -53,7 +53,8 @@ class SpecializationWatch(logging.Handler):
         elif message.startswith("set_replacement") and len(args) >= 2 and _is_integer(args[1]):
             symbol = str(args[0])
             last = self.guards.get(symbol, [("", "")])[-1][1]
-            self.found.append(Specialization(symbol, int(args[1]), self.sources.get(symbol, ""), last or user_location()))
+            source = self.sources.get(symbol, "")
+            self.found.append(Specialization(symbol, int(args[1]), source, last or user_location()))
 
     def bound_location(self, symbol: str) -> str:
         """The user line of the first inequality guard on ``symbol`` (what bounded it)."""

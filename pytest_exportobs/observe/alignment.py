@@ -19,10 +19,16 @@ import torch
 from torch.utils import _pytree
 
 from ..core.strings import string_type
-from .binding import (
-    CONSTANT_TYPES, UnsupportedInput, bind_all, is_absent, missing_by_name, per_call_constants, uniform_constant,
-)
 from ..core.trees import spec_paths, spec_structure
+from .binding import (
+    CONSTANT_TYPES,
+    UnsupportedInput,
+    bind_all,
+    is_absent,
+    missing_by_name,
+    per_call_constants,
+    uniform_constant,
+)
 
 SEQUENCE_AXIS_BY_RANK = {1: 0, 2: 1, 3: 1, 4: 2}
 
@@ -80,7 +86,8 @@ class AlignedCalls:
         """The tensor arguments call ``index`` passed."""
         call = self.calls[index]
         return frozenset(
-            s.name for s in self.slots if not s.is_constant and any(call[leaf] is not None for leaf in range(s.start, s.stop))
+            s.name for s in self.slots
+            if not s.is_constant and any(call[leaf] is not None for leaf in range(s.start, s.stop))
         )
 
     def subset(
@@ -241,7 +248,10 @@ def align_calls(
         if all(is_absent(v) for v in values):
             continue
         if any(isinstance(v, CONSTANT_TYPES) for v in values):
-            constant = per_call_constants(sv, values, call_constants) if mixed_constants else uniform_constant(sv, values)
+            if mixed_constants:
+                constant = per_call_constants(sv, values, call_constants)
+            else:
+                constant = uniform_constant(sv, values)
             if constant is not None:
                 slots.append(Slot(sv.name, None, (), 0, constant[0], True, sv.var_positional, sv.var_keyword))
                 positional = False

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .recorder import CallRecorder, Observation, signature_of
 from .options import ObserveOptions
+from .recorder import CallRecorder, Observation, signature_of
 from .store import MAX_OBSERVATIONS, MAX_ORDINARY, ModelGroup, parameter_shapes
 
 Key = tuple[str, str]  # (base name, identity)

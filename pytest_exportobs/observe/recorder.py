@@ -14,8 +14,8 @@ from torch.utils import _pytree
 
 from ..core.trees import detached_clone, flattening_context
 from .alignment import AlignedCalls, align_calls
-from .structures import structure_families
 from .interception import intercepted
+from .structures import structure_families
 
 
 @dataclass

@@ -22,7 +22,6 @@ from ..core.configuration import contract
 from .options import ObserveOptions
 from .recorder import CallRecorder, weights_version
 
-
 # Memory bound: distinct call signatures kept per model over a session.  The first
 # ``store_n_calls`` of each test are kept up to MAX_ORDINARY; the rest is room for the calls that
 # add information (a new input structure, an axis varied for the first time...).

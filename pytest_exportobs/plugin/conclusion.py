@@ -75,7 +75,8 @@ class Concluding:
         if self.gate is None:
             return
         if not self.gate.entries and not self.results:
-            terminalreporter.write_line("exportobs: no model was observed (mark tests with @pytest.mark.observe_export)")
+            terminalreporter.write_line(
+                "exportobs: no model was observed (mark tests with @pytest.mark.observe_export)")
             return
         terminalreporter.write_sep("=", "exportobs")
         for row in summary_rows(self.results, self.gate):
@@ -101,7 +102,8 @@ class Concluding:
         path = self.options.baseline
         if path is None:
             if self.options.baseline_update:
-                raise pytest.UsageError("--export-baseline-update needs --export-baseline PATH (or ini export_baseline)")
+                raise pytest.UsageError(
+                    "--export-baseline-update needs --export-baseline PATH (or ini export_baseline)")
             return None
         if self.options.baseline_update:
             return None  # merged into at the end

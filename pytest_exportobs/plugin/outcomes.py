@@ -115,7 +115,8 @@ def detail_text(result: ModelResult) -> str:
         f"class: {result.model_class}",
         f"dynamic dims: {result.dims_text()}",
         f"relations: {', '.join(result.relations) or 'none'}",
-        f"observations: {result.n_observations} distinct of {result.n_calls} calls; reference: {result.reference or '-'}",
+        f"observations: {result.n_observations} distinct of {result.n_calls} calls; "
+        f"reference: {result.reference or '-'}",
         f"max |Δ|: {_number(result.max_abs)}  max rel: {_number(result.max_rel)}",
         "timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()),
     ]

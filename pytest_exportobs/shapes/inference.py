@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..observe.alignment import AlignedCalls
 from ..core.vocabulary import DimSource
+from ..observe.alignment import AlignedCalls
 from .dims import Axis, Relation, Variable
 from .roles import Role, axis_roles, cache_kind
 
@@ -33,7 +33,10 @@ class DimPolicy:
     static: frozenset[str] = frozenset()
 
 
-def infer_variables(aligned: AlignedCalls, forced: set[Axis], policy: DimPolicy = DimPolicy()) -> list[Variable]:
+AS_OBSERVED = DimPolicy()  # dynamic: what the calls vary (the seed API)
+
+
+def infer_variables(aligned: AlignedCalls, forced: set[Axis], policy: DimPolicy = AS_OBSERVED) -> list[Variable]:
     """The unnamed variables of the dynamic axes."""
     # absent inputs count 0 on their empty dimension (a prefill's past); with roles only caches
     # do, a mask or labels absent from a call says nothing of its size there

@@ -19,7 +19,7 @@ import torch
 from ..core.text import identifier
 from ..observe.alignment import AlignedCalls
 from .dims import Axis, Relation, Variable
-from .inference import DimPolicy, derive_relations, forced_batch_axes, infer_variables, role_relations
+from .inference import AS_OBSERVED, DimPolicy, derive_relations, forced_batch_axes, infer_variables, role_relations
 from .naming import name_variables
 from .standins import stand_in, stand_in_kind
 
@@ -41,7 +41,7 @@ class ShapeModel:
         aligned: AlignedCalls,
         set_batch_dimension_for: bool | set[int | str] | None = None,
         dim_names: bool | dict[str, str] | None = None,
-        policy: DimPolicy = DimPolicy(),
+        policy: DimPolicy = AS_OBSERVED,
     ) -> ShapeModel:
         """Infer variables, relations and names from aligned calls; the default ``policy`` makes
         dynamic only what the calls vary (the seed API), the plugin adds roles."""

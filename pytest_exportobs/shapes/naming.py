@@ -7,6 +7,7 @@ from ..observe.alignment import AlignedCalls
 from .dims import Axis, Relation, Variable
 from .roles import Role, axis_roles
 
+
 def name_variables(
     aligned: AlignedCalls, variables: list[Variable], relations: list[Relation],
     overrides: dict[str, str], forced: set[Axis],
@@ -61,7 +62,7 @@ def default_name(aligned: AlignedCalls, var: Variable, roles: dict[Axis, Role]) 
         if preferred in names:
             return preferred
     leaf, dim = var.axes[0]
-    if dim == 0 and len({aligned.leaf_slot(l).name for l, d in var.axes if d == 0}) > 1:
+    if dim == 0 and len({aligned.leaf_slot(leaf).name for leaf, d in var.axes if d == 0}) > 1:
         return "batch"
     return generic_name(aligned, var)
 

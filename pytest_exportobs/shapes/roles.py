@@ -99,7 +99,10 @@ def _known_roles(aligned: AlignedCalls, leaf: int, encoder_decoder: bool, covers
         "decoder_mask": "total_seq" if covers_past else "seq",
     }
     known = KNOWN_BY_RANK.get((slot, rank)) or KNOWN_INPUTS.get(slot, {})
-    return {(leaf, dim): Role(spelled.get(name, name), name not in ("height", "width")) for dim, name in known.items() if dim < rank}
+    return {
+        (leaf, dim): Role(spelled.get(name, name), name not in ("height", "width"))
+        for dim, name in known.items() if dim < rank
+    }
 
 
 def _mask_covers_past(aligned: AlignedCalls) -> bool:
