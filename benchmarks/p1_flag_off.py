@@ -115,7 +115,7 @@ def attributable(root: Path) -> tuple[float, float, list[str]]:
     run_child(cmd, cwd=str(root), env=child_env())
     stats = pstats.Stats(str(out))
     items = []
-    for (filename, lineno, name), (_, calls, _, cumulative, _) in stats.stats.items():
+    for (filename, _lineno, name), (_, calls, _, cumulative, _) in stats.stats.items():
         if not filename.startswith(package):
             continue
         short = filename[len(package):]

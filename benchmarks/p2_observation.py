@@ -104,8 +104,9 @@ def new_store() -> Any:
 
 def stored_bytes(store: Any) -> int:
     import torch
-    from pytest_exportobs.core.trees import flattening_context
     from torch.utils import _pytree
+
+    from pytest_exportobs.core.trees import flattening_context
 
     total = 0
     with flattening_context():
@@ -123,8 +124,11 @@ def measure_time(reps: int) -> dict[str, tuple[Samples, Samples]]:
     for name, (module, calls) in models.items():
         plain, observed = Samples(f"{name} plain"), Samples(f"{name} observed")
         sides: dict[str, tuple[Samples, Callable[[], None]]] = {
-            "plain": (plain, lambda: workload(module, calls, None, name)),
-            "observed": (observed, lambda: workload(module, calls, new_store(), name)),
+            "plain": (plain, lambda module=module, calls=calls, name=name: workload(module, calls, None, name)),
+            "observed": (
+                observed,
+                lambda module=module, calls=calls, name=name: workload(module, calls, new_store(), name),
+            ),
         }
         for _, run in sides.values():  # warm-up
             run()

@@ -75,6 +75,7 @@ class Case:
     def inputs(self, index: int) -> dict[str, Any]:
         """The kwargs of call ``index`` (new tensors each time: the model extends the cache in place)."""
         import torch
+
         from pytest_exportobs import make_dynamic_cache
 
         generator = torch.Generator().manual_seed(index)
@@ -107,6 +108,7 @@ class Case:
     def observe(self) -> Any:
         """The engine's input: a group holding the recorded calls (and their eager outputs)."""
         import torch
+
         from pytest_exportobs import register_flattening_functions
         from pytest_exportobs.observe.store import ObserveOptions, SessionStore
 
@@ -121,8 +123,9 @@ class Case:
         """The eager outputs of the calls, flattened (the hand-written side's reference; the engine
         recorded the same ones while observing)."""
         import torch
-        from pytest_exportobs import register_flattening_functions
         from torch.utils import _pytree
+
+        from pytest_exportobs import register_flattening_functions
 
         with register_flattening_functions(), torch.no_grad():
             return [
@@ -147,8 +150,9 @@ def hand_written(case: Case, references: list[list[Any]], export_dir: Path) -> d
     import numpy as np
     import onnxruntime
     import torch
-    from pytest_exportobs import register_flattening_functions
     from torch.utils import _pytree
+
+    from pytest_exportobs import register_flattening_functions
 
     path = export_dir / "model.onnx"
     export_dir.mkdir(parents=True, exist_ok=True)

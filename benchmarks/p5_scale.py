@@ -128,10 +128,19 @@ def twin_limit(reps: int) -> tuple[float, str]:
             walls[side_by_side] = twins(side_by_side)
         log(f"P5 twins #{rep}: {walls[False]:.1f}s one after the other, {walls[True]:.1f}s side by side")
         pairs.append((walls[True], walls[False]))
-    return statistics.median(new / old for new, old in pairs), ", ".join(f"{old:.1f}s → {new:.1f}s" for new, old in pairs)
+    return (
+        statistics.median(new / old for new, old in pairs),
+        ", ".join(f"{old:.1f}s → {new:.1f}s" for new, old in pairs),
+    )
 
 
-def measure(directory: Path, a: str, b: str, reps: int, verdicts: dict[str, dict[str, str]]) -> list[tuple[float, float]]:
+def measure(
+    directory: Path,
+    a: str,
+    b: str,
+    reps: int,
+    verdicts: dict[str, dict[str, str]],
+) -> list[tuple[float, float]]:
     pairs = []
     for rep, a_first in interleaved(reps):
         walls = {}

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import zoo
 from transformers.modeling_outputs import BaseModelOutput
 
-import zoo
 from pytest_exportobs import make_dynamic_cache, make_encoder_decoder_cache
 
 Call = dict[str, Any]
@@ -44,7 +44,9 @@ def _cache(model: torch.nn.Module, batch: int, past: int) -> Any:
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers = config.num_hidden_layers
-    return make_dynamic_cache([(torch.randn(batch, heads, past, head_dim), torch.randn(batch, heads, past, head_dim))] * layers)
+    return make_dynamic_cache(
+        [(torch.randn(batch, heads, past, head_dim), torch.randn(batch, heads, past, head_dim))] * layers
+    )
 
 
 def decoder_calls(model: torch.nn.Module) -> list[Call]:
@@ -65,7 +67,9 @@ def static_cache_calls(model: torch.nn.Module) -> list[Call]:
     from pytest_exportobs import get_untrained_model_with_inputs
 
     return [
-        get_untrained_model_with_inputs(model.config, inputs_kwargs=dict(cls_cache="StaticCache", batch_size=b, seq_len=s))["inputs"]
+        get_untrained_model_with_inputs(
+            model.config, inputs_kwargs=dict(cls_cache="StaticCache", batch_size=b, seq_len=s)
+        )["inputs"]
         for b, s in [(4, 2), (1, 5)]
     ]
 
@@ -121,7 +125,9 @@ def seq2seq_calls(encoder_length: int | None) -> Callable[[torch.nn.Module], lis
                 head_dim = config.d_model // heads
                 self_pairs = [(torch.randn(batch, heads, past, head_dim),) * 2] * config.num_hidden_layers
                 cross = [(torch.randn(batch, heads, length, head_dim),) * 2] * config.num_hidden_layers
-                call["past_key_values"] = make_encoder_decoder_cache(make_dynamic_cache(self_pairs), make_dynamic_cache(cross))
+                call["past_key_values"] = make_encoder_decoder_cache(
+                    make_dynamic_cache(self_pairs), make_dynamic_cache(cross)
+                )
             found.append(call)
         return found
 

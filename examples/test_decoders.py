@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
-
 from zoo import EOS, PAD, VOCAB
 
 

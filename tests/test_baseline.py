@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from pytest_exportobs.engine.result import ModelResult
 from pytest_exportobs.gate.baseline import Baseline, BaselineEntry, BaselineError
 from pytest_exportobs.gate.judge import GateEntry, gate
-from pytest_exportobs.engine.result import ModelResult
 
 HINT = "run with --export-baseline-update to record it"
 LM_DIMS = {"input_ids": {"0": "batch", "1": "seq"}}
@@ -186,7 +186,8 @@ def test_a_model_whose_tests_were_not_collected_is_left_out_not_missing():
     assert [(e.name, e.outcome) for e in shard.entries] == [("lm", "passed"), ("old", "failed")]
     assert shard.uncollected == ["vit"]
     assert shard.summary_line() == (
-        "exportobs gate: 1 failure (old: in the baseline but not observed (strict)); 1 baseline model not collected here")
+        "exportobs gate: 1 failure (old: in the baseline but not observed (strict)); "
+        "1 baseline model not collected here")
     skipped = gate(old, [], collected={"u.py::test_vit"})  # collected but not observed (skipped test, ...)
     assert [(e.name, e.outcome) for e in skipped.entries] == [("old", "missing"), ("vit", "missing")]
     assert skipped.uncollected == ["lm"]
@@ -442,5 +443,6 @@ def test_marker_xfail_turns_a_failure_into_xfailed_and_a_pass_into_xpassed() -> 
     passing = ModelResult(name="vit", verdict="passed", stage="verify", expected_failure="marked xfail")
     entries = {e.name: e for e in gate(None, [failing, passing]).entries}
     assert (entries["lm"].outcome, entries["lm"].message) == ("xfailed", "expected failure: needs torch.cond")
-    assert (entries["vit"].outcome, entries["vit"].message) == ("xpassed", "passes although marked xfail (marked xfail)")
+    assert (entries["vit"].outcome, entries["vit"].message) == (
+        "xpassed", "passes although marked xfail (marked xfail)")
     assert gate(None, [failing, passing], strict=True).failed

@@ -5,20 +5,20 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-
-import models
-from models import MLP, Branchy, ConvNet, HalvingUNet
 
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.engine.verify import Tolerance, compare
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
+
+import models
+from models import MLP, Branchy, ConvNet, HalvingUNet
 
 
 @torch.library.custom_op("exportobs_test::mystery", mutates_args=())
@@ -315,7 +315,8 @@ def test_export_patches_wrap_export_and_verification(tmp_path: Path) -> None:
     assert result.verdict == "passed" and PATCH_LOG == ["enter", "exit"]
     broken = check_model(group, settings(tmp_path, patches=("no_such_module.patch",)))
     assert broken.verdict == "failed"
-    assert broken.reason == "ValueError: export patch 'no_such_module.patch' cannot be imported: No module named 'no_such_module'"
+    assert broken.reason == (
+        "ValueError: export patch 'no_such_module.patch' cannot be imported: No module named 'no_such_module'")
 
 
 def test_sides_torch_restricts_to_even_sizes_stay_even_in_variations(tmp_path: Path) -> None:
@@ -339,7 +340,9 @@ def test_a_dim_torch_turns_into_a_constant_fails_as_specialized_with_the_line(tm
     line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "if x.shape[0] == 3" in text)
     assert (result.verdict, result.stage, result.kind) == ("failed", "torch.export", "specialized")
     assert result.reason.startswith("batch (x.0, a deployment varies it) ")
-    assert result.reason.endswith(f"by torch.export at tests/test_check.py:{line}: if x.shape[0] == 3:  # fine in eager for any batch, pins it in a graph")
+    assert result.reason.endswith(
+        f"by torch.export at tests/test_check.py:{line}: "
+        "if x.shape[0] == 3:  # fine in eager for any batch, pins it in a graph")
 
 
 class MaskedPool(torch.nn.Module):
@@ -399,7 +402,8 @@ def test_the_export_cache_tells_graphs_of_other_constants_apart(tmp_path: Path) 
         result = check_model(group, settings(tmp_path))
         assert result.verdict == "passed", result.reason
         assert [(g.constants, g.cache_hit, len(g.discrepancies)) for g in result.graphs] == [
-            ({"return_dict": False}, bool(run), 1), ({"output_hidden_states": True, "return_dict": False}, bool(run), 1)]
+            ({"return_dict": False}, bool(run), 1),
+            ({"output_hidden_states": True, "return_dict": False}, bool(run), 1)]
 
 
 class SpanQA(torch.nn.Module):
@@ -411,7 +415,8 @@ class SpanQA(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, start_positions: torch.Tensor, end_positions: torch.Tensor):
         start, end = self.qa(self.embed(input_ids)).unbind(-1)
-        loss = torch.nn.functional.cross_entropy(start, start_positions) + torch.nn.functional.cross_entropy(end, end_positions)
+        loss = (torch.nn.functional.cross_entropy(start, start_positions)
+                + torch.nn.functional.cross_entropy(end, end_positions))
         return loss, start, end
 
 
@@ -429,7 +434,8 @@ def test_a_kernel_onnxruntime_lacks_skips_the_model_naming_op_and_dtype(tmp_path
     result = check_model(observed(model, (torch.randn(2, 8, dtype=torch.bfloat16),)), settings(tmp_path))
     assert (result.verdict, result.stage, result.kind) == ("skipped", "ort-load", "runtime"), result.reason
     assert result.reason.startswith("onnxruntime's CPUExecutionProvider has no kernel for ")
-    assert " in bfloat16: the ONNX was written and checked but cannot run here; verify the model in float32" in result.reason
+    assert (" in bfloat16: the ONNX was written and checked but cannot run here; "
+            "verify the model in float32") in result.reason
     assert Path(result.onnx_path).is_file()
 
 
@@ -711,10 +717,12 @@ def test_a_sliding_window_the_tests_never_fill_fails_with_the_bound_and_the_step
     with register_flattening_functions(), store.observe(model, "gemma2", ObserveOptions(), "t") as group:
         for batch, prompt, new in ((1, 5, 3), (2, 7, 4)):
             ids = torch.randint(3, 64, (batch, prompt))
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False)
     result = check_model(group, settings(tmp_path))
     assert (result.verdict, result.stage, result.kind) == ("failed", "torch.export", "specialized")
-    assert "past_seq" in result.reason and "bounded to at most 15 (the model's own next step from past_seq=15 " in result.reason
+    assert "past_seq" in result.reason and (
+        "bounded to at most 15 (the model's own next step from past_seq=15 " in result.reason)
     assert "where past_key_values.key_0 holds 15, past_key_values.value_0 holds 15)" in result.reason
 
 
@@ -730,11 +738,13 @@ def test_a_llava_prefill_keeps_its_image_batch_dynamic_and_serves_unseen_batches
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8)
     text = transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, pad_token_id=0)
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=60, vision_feature_layer=-1)
+    config = transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=60, vision_feature_layer=-1)
     model = transformers.LlavaForConditionalGeneration(config).eval()
 
     def inputs(batch: int, words: int) -> dict[str, torch.Tensor]:
-        ids = torch.cat([torch.randint(3, 60, (batch, 1)), torch.full((batch, 4), 60), torch.randint(3, 60, (batch, words))], 1)
+        ids = torch.cat(
+            [torch.randint(3, 60, (batch, 1)), torch.full((batch, 4), 60), torch.randint(3, 60, (batch, words))], 1)
         return dict(input_ids=ids, pixel_values=torch.randn(batch, 3, 16, 16), attention_mask=torch.ones_like(ids))
 
     store = SessionStore()

@@ -108,7 +108,8 @@ def test_python_m_runs_the_comparison(upgrade):
 
 
 def test_comparing_imports_no_torch(upgrade):
-    code = "import sys; from pytest_exportobs.gate.compare import main; main(sys.argv[1:]); print('torch' in sys.modules)"
+    code = ("import sys; from pytest_exportobs.gate.compare import main; main(sys.argv[1:]); "
+            "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code, *upgrade], capture_output=True, text=True)
     assert done.stdout.splitlines()[-1] == "False"
 
@@ -126,7 +127,10 @@ BAD = {
         '{"schema_version": 1, "env": {}, "models": {"lm": {"verdict": "passed"}}}',
         'models must be a list of objects, got {"lm": {"verdict": "passed"}}',
     ),
-    "no name": ('{"schema_version": 1, "models": [{"verdict": "passed"}]}', "models[0].name must be a string, got null"),
+    "no name": (
+        '{"schema_version": 1, "models": [{"verdict": "passed"}]}',
+        "models[0].name must be a string, got null",
+    ),
     "bad verdict": (
         '{"schema_version": 1, "models": [{"name": "lm", "verdict": "ok"}]}',
         "model 'lm': verdict must be one of failed, incomplete, passed, skipped, got \"ok\"",
@@ -148,7 +152,8 @@ def test_a_file_that_is_no_report_is_a_usage_error(tmp_path, upgrade, capsys, co
 def test_a_missing_file_is_a_usage_error(tmp_path, upgrade, capsys):
     missing = tmp_path / "nope.json"
     assert main([str(missing), upgrade[1]]) == 2
-    assert capsys.readouterr() == ("", f"exportobs compare: error: {missing}: cannot be read (No such file or directory)\n")
+    assert capsys.readouterr() == (
+        "", f"exportobs compare: error: {missing}: cannot be read (No such file or directory)\n")
 
 
 def test_wrong_arguments_are_a_usage_error(capsys):

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from models import MLP, Bad, Good
-
 from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.engine.reasons import one_line_reason
 from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
+
+from models import MLP, Bad, Good
 
 
 def observed(module: torch.nn.Module, *calls: tuple, between=None) -> ModelGroup:
@@ -63,7 +63,8 @@ def test_a_model_returning_none_has_nothing_to_export(tmp_path: Path) -> None:
             return None
 
     assert check(observed(Logger(), (torch.randn(2, 3),)), tmp_path) == (
-        "failed", "infer", "unsupported-output", "the model returns no tensor (None or constants only): nothing to export",
+        "failed", "infer", "unsupported-output",
+        "the model returns no tensor (None or constants only): nothing to export",
     )
 
 
@@ -119,12 +120,14 @@ def test_weights_changed_through_data_after_a_call_recompute_the_references(tmp_
 @pytest.mark.parametrize(
     "message, hint",
     [
-        ("Error when translating node %grouped_mm_fallback : call_function[target=torch.ops.transformers.grouped_mm_fallback.default]",
-         'ConversionError: cannot translate transformers.grouped_mm_fallback.default to ONNX; hint: transformers\' default '
-         'MoE experts ("grouped_mm") do not translate: build the model with experts_implementation="batched_mm" in its config'),
+        ("Error when translating node %grouped_mm_fallback : "
+         "call_function[target=torch.ops.transformers.grouped_mm_fallback.default]",
+         'ConversionError: cannot translate transformers.grouped_mm_fallback.default to ONNX; '
+         'hint: transformers\' default MoE experts ("grouped_mm") do not translate: '
+         'build the model with experts_implementation="batched_mm" in its config'),
         ("flash_attn is not supported by torch.export",
-         'ConversionError: flash_attn is not supported by torch.export; hint: flash attention does not export: build the '
-         'model with attn_implementation="sdpa" (or "eager")'),
+         'ConversionError: flash_attn is not supported by torch.export; '
+         'hint: flash attention does not export: build the model with attn_implementation="sdpa" (or "eager")'),
     ],
 )
 def test_known_export_blockers_get_a_hint(message: str, hint: str) -> None:

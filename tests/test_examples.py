@@ -27,10 +27,11 @@ sys.path.remove(str(EXAMPLES))
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The example project run once with the export check (no baseline: each verdict on its own): junitxml outcomes (the testcases of
-    class ``exportobs``, one per model) and the JSON report."""
+    """The example project run once with the export check (no baseline: each verdict on its own): junitxml
+    outcomes (the testcases of class ``exportobs``, one per model) and the JSON report."""
     project = tmp_path_factory.mktemp("examples")
-    shutil.copytree(EXAMPLES, project, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".exportobs", "__pycache__", "export-baseline.json"))
+    shutil.copytree(EXAMPLES, project, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(".exportobs", "__pycache__", "export-baseline.json"))
     command = [
         sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--export-check", "--junitxml=junit.xml",
         "--export-report=report.json", "-q",
@@ -50,7 +51,8 @@ def junit_outcomes(path: Path) -> dict[str, str]:
     for case in ET.parse(path).getroot().iter("testcase"):
         if case.get("classname") == "exportobs":
             failed = case.find("failure") is not None or case.find("error") is not None
-            outcomes[case.get("name")] = "failed" if failed else "skipped" if case.find("skipped") is not None else "passed"
+            outcomes[case.get("name")] = (
+                "failed" if failed else "skipped" if case.find("skipped") is not None else "passed")
     return outcomes
 
 
@@ -107,7 +109,8 @@ def serving_graph(graphs: list[dict[str, Any]], call: dict[str, Any]) -> dict[st
 def flat_inputs(call: dict[str, Any]) -> tuple[list[str], list[torch.Tensor]]:
     """Leaf names as the plugin spells them (``past_key_values.key_0``) and the tensors."""
     paths, _ = _pytree.tree_flatten_with_path(call)
-    names = [".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path) for path, _ in paths]
+    names = [".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+             for path, _ in paths]
     return names, [value for _, value in paths]
 
 

@@ -15,13 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import MLP, QUICK_CHECK as ARGS, SOURCE as MODELS, junit_cases
 
 from pytest_exportobs.engine.export import prepare
 from pytest_exportobs.engine.runner import ModelTimeout, check_all, time_limit
 from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
+from models import MLP, junit_cases
+from models import QUICK_CHECK as ARGS
+from models import SOURCE as MODELS
 
 CONFTEST = '''
 import contextlib, time
@@ -114,11 +116,13 @@ def test_time_limit_waits_for_an_import_to_finish(tmp_path: Path, monkeypatch: p
     assert sys.modules["slow_module"].DONE
 
 
-@pytest.mark.parametrize("isolate", [[], ["--export-isolate"], ["--export-jobs=2"]], ids=["in-process", "isolated", "jobs-2"])
+@pytest.mark.parametrize("isolate", [[], ["--export-isolate"], ["--export-jobs=2"]],
+                         ids=["in-process", "isolated", "jobs-2"])
 def test_a_stalled_model_times_out_and_the_others_are_checked(suite: pytest.Pytester, isolate: list[str]) -> None:
     result = suite.runpytest_subprocess(*ARGS, "--export-timeout=5", *isolate)
     result.assert_outcomes(passed=5, failed=1)
-    result.stdout.fnmatch_lines(["FAILED exportobs::b-stalled - failed at torch.export: timed out after 5 s during torch.export"])
+    result.stdout.fnmatch_lines(
+        ["FAILED exportobs::b-stalled - failed at torch.export: timed out after 5 s during torch.export"])
     assert result.ret == pytest.ExitCode.TESTS_FAILED
 
 
@@ -154,7 +158,9 @@ def forked_group(name: str) -> ModelGroup:
     return group
 
 
-def test_ctrl_c_taken_by_another_thread_stops_the_forked_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ctrl_c_taken_by_another_thread_stops_the_forked_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The kernel hands SIGINT to any thread not blocking it; Python runs the handler only when
     the main thread runs Python again, which a parent blocked waiting for its children must do."""
     stall = 60.0  # far beyond the interrupt, even on a loaded machine
@@ -183,7 +189,9 @@ def test_ctrl_c_taken_by_another_thread_stops_the_forked_checks(tmp_path: Path, 
     assert time.monotonic() - begin < stall / 2
 
 
-def test_ctrl_c_while_a_child_starts_leaves_its_model_interrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ctrl_c_while_a_child_starts_leaves_its_model_interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fork = multiprocessing.get_context("fork").Process
     start = fork.start
 
@@ -243,8 +251,10 @@ def test_ctrl_c_while_checking_reports_what_was_checked_and_writes_no_baseline(
         "a-fast": "passed", "b-stalled": "interrupted", "c-after": "interrupted"}, output
     assert baseline.read_text() == '{"schema_version": 1, "models": {}}'
     lines = output.splitlines()
-    assert "exportobs: interrupted: 1 of 3 models checked; not checked: b-stalled, c-after; the baseline was not updated" in lines
-    assert "FAILED exportobs::b-stalled - interrupted at torch.export: interrupted (Ctrl-C) during torch.export" in lines
+    assert ("exportobs: interrupted: 1 of 3 models checked; not checked: b-stalled, c-after; "
+            "the baseline was not updated") in lines
+    assert ("FAILED exportobs::b-stalled - interrupted at torch.export: "
+            "interrupted (Ctrl-C) during torch.export") in lines
     assert "Traceback" not in output
 
 
@@ -261,7 +271,8 @@ def test_interrupted():
 ''')
     result = pytester.runpytest_subprocess(*ARGS, "--export-baseline=baseline.json", "--export-baseline-update")
     assert result.ret == pytest.ExitCode.INTERRUPTED
-    result.stdout.fnmatch_lines(["exportobs: interrupted: 0 of 1 models checked; not checked: mlp; the baseline was not updated"])
+    result.stdout.fnmatch_lines(
+        ["exportobs: interrupted: 0 of 1 models checked; not checked: mlp; the baseline was not updated"])
     assert "exportobs [1/1]" not in result.stdout.str()
     assert not (pytester.path / "baseline.json").exists()
 
@@ -361,7 +372,9 @@ USER_TESTS = {
 }
 
 
-def crash_session(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, crash: str, *args: str) -> pytest.RunResult:
+def crash_session(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, crash: str, *args: str
+) -> pytest.RunResult:
     monkeypatch.setenv("CRASH", crash)
     pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_crashes=CRASHES)
     return pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--junitxml=junit.xml", "-rA", *args,
@@ -387,7 +400,9 @@ def test_a_crashing_observing_test_fails_once_and_only_a_model_it_alone_observed
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
 
 
-def test_without_the_plugin_the_crashing_test_fails_once_too(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_the_plugin_the_crashing_test_fails_once_too(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     crash_session(pytester, monkeypatch, "observing")
     assert junit_cases(pytester.path / "junit.xml") == {
         **USER_TESTS, "test_crashes::test_plain_crashing": "passed", "test_crashes::test_observes_and_crashes": "error"}
@@ -457,7 +472,9 @@ def test_after_the_others(shared, export_observer):  # watch() tests share a wor
 '''
 
 
-def test_observed_tests_behave_exactly_as_unobserved_ones(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_observed_tests_behave_exactly_as_unobserved_ones(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_intact=INTACT)
     runs = {"off": [], "on": ARGS, "on-xdist": [*ARGS, "-n", "2"]}
     results = {}
@@ -469,7 +486,8 @@ def test_observed_tests_behave_exactly_as_unobserved_ones(pytester: pytest.Pytes
             ["test_intact::test_deepcopy", "test_intact::test_save_and_state_dict", "test_intact::test_compile",
              "test_intact::test_two_markers_and_watch", "test_intact::test_after_the_others"], "passed"), run
         assert outcome.ret == 0, run
-        results[run] = {k: v for path in pytester.path.glob(f"{run}.*.json") for k, v in json.loads(path.read_text()).items()}
+        results[run] = {k: v for path in pytester.path.glob(f"{run}.*.json")
+                        for k, v in json.loads(path.read_text()).items()}
     assert results["off"]["intact"] == [True, True]
     assert results["on"] == results["off"]
     assert results["on-xdist"] == results["off"]
@@ -531,5 +549,6 @@ def test_a_native_crash_of_onnxruntime_fails_one_model_and_keeps_the_session(pyt
     models = json.loads((pytester.path / "report.json").read_text())["models"]
     crashed = next(m for m in models if m["name"] == "attention-fp16")
     assert (crashed["stage"], crashed["kind"]) == ("isolate", "crash")
-    assert crashed["reason"].startswith("onnxruntime crashed natively (SIGSEGV) creating a session for the ONNX written")
+    assert crashed["reason"].startswith(
+        "onnxruntime crashed natively (SIGSEGV) creating a session for the ONNX written")
     assert result.ret == 1

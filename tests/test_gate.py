@@ -4,15 +4,17 @@ updates of a subset, pruning, concurrent updates."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
-from models import SOURCE as MODELS
 
 from pytest_exportobs.engine.result import ModelResult
 from pytest_exportobs.gate.baseline import Baseline, BaselineEntry, update_baseline
+
+from models import SOURCE as MODELS
 
 TESTS = '''
 import os
@@ -36,7 +38,8 @@ def test_branchy(export_observer):
     model(torch.randn(3, 4))
 '''
 
-ARGS = ("--export-check", "--export-target=torch", "--export-baseline=baseline.json", "--export-examples=0", "-p", "no:cacheprovider", "-rA")
+ARGS = ("--export-check", "--export-target=torch", "--export-baseline=baseline.json", "--export-examples=0",
+        "-p", "no:cacheprovider", "-rA")
 
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
@@ -126,7 +129,8 @@ def test_fixed_model_is_xpassed_and_fails_when_strict(pytester: pytest.Pytester)
     strict.assert_outcomes(passed=2, failed=2, xfailed=1)
 
 
-@pytest.mark.parametrize("content", ['{"schema_version": 1, "models": {"mlp": {"verd', "not json at all", '{"schema_version": 99, "models": {}}'],
+@pytest.mark.parametrize("content", ['{"schema_version": 1, "models": {"mlp": {"verd', "not json at all",
+                                     '{"schema_version": 99, "models": {}}'],
                          ids=["truncated", "not-json", "schema"])
 def test_bad_baseline_is_a_usage_error_and_stays_untouched(pytester: pytest.Pytester, content: str) -> None:
     pytester.makepyfile(models=MODELS, test_models=TESTS)
@@ -152,7 +156,8 @@ def test_reports_are_written(pytester: pytest.Pytester) -> None:
 
 
 def entries(pytester: pytest.Pytester) -> dict[str, str]:
-    return {name: e["verdict"] for name, e in json.loads((pytester.path / "baseline.json").read_text())["models"].items()}
+    return {name: e["verdict"]
+            for name, e in json.loads((pytester.path / "baseline.json").read_text())["models"].items()}
 
 
 def test_an_update_of_a_subset_keeps_the_other_entries_until_pruned(pytester: pytest.Pytester) -> None:
@@ -173,11 +178,14 @@ def test_an_update_of_a_subset_keeps_the_other_entries_until_pruned(pytester: py
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--export-baseline=b.json", "--export-baseline-update"],
-     "ERROR: --export-baseline-update needs --export-check (or ini export_check = true): without the check there is nothing to record"),
+     "ERROR: --export-baseline-update needs --export-check (or ini export_check = true): "
+     "without the check there is nothing to record"),
     (["--export-check", "--export-baseline=b.json", "--export-baseline-prune"],
      "ERROR: --export-baseline-prune only applies with --export-baseline-update"),
 ], ids=["update-without-check", "prune-without-update"])
-def test_update_options_without_what_they_need_are_usage_errors(pytester: pytest.Pytester, args: list[str], message: str) -> None:
+def test_update_options_without_what_they_need_are_usage_errors(
+    pytester: pytest.Pytester, args: list[str], message: str
+) -> None:
     pytester.makepyfile(models=MODELS, test_models=TESTS)
     result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -191,15 +199,17 @@ def test_an_unreadable_old_baseline_is_replaced_by_an_update_and_said_so(pyteste
     result = pytester.runpytest_subprocess(*ARGS, "--export-baseline-update")
     assert result.ret == 0
     result.stdout.fnmatch_lines(["exportobs: baseline */baseline.json updated: 2 written; the old file was unreadable "
-                                 "and is replaced (*baseline.json: not valid JSON (Expecting value at line 1, column 1))"])
+                                 "and is replaced "
+                                 "(*baseline.json: not valid JSON (Expecting value at line 1, column 1))"])
     assert entries(pytester) == {"branchy": "failed", "mlp": "passed"}
 
 
 def test_two_sessions_updating_one_baseline_at_once_keep_both_entries(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(models=MODELS, test_models=TESTS)
     command = [sys.executable, "-m", "pytest", *ARGS, "--export-baseline-update"]
-    sessions = [pytester.popen([*command, "-k", name]) for name in ("mlp", "branchy")]
-    assert [session.wait(300) for session in sessions] == [0, 0]
+    sessions = [pytester.popen([*command, "-k", name], stdin=subprocess.DEVNULL) for name in ("mlp", "branchy")]
+    outputs = [session.communicate(timeout=300) for session in sessions]  # reads and closes the pipes
+    assert [session.returncode for session in sessions] == [0, 0], outputs
     assert entries(pytester) == {"branchy": "failed", "mlp": "passed"}
 
 

@@ -40,12 +40,14 @@ def test_an_absent_mask_or_cache_is_stood_in_one_graph_takes_them_all() -> None:
     from pytest_exportobs import make_dynamic_cache
 
     cache = make_dynamic_cache([(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))])
-    calls = [{"input_ids": ids(2, 5)}, {"input_ids": ids(2, 1), "attention_mask": torch.ones(2, 6), "past_key_values": cache}]
+    calls = [{"input_ids": ids(2, 5)},
+             {"input_ids": ids(2, 1), "attention_mask": torch.ones(2, 6), "past_key_values": cache}]
     assert plans_of(calls) == [("", [0, 1], ["attention_mask", "input_ids", "past_key_values"], {})]
 
 
 def test_calls_with_other_constants_are_planned_apart_and_named_by_them() -> None:
-    calls = [{"input_ids": ids(2, 5), "use_cache": True}, {"input_ids": ids(2, 4), "use_cache": True}, {"input_ids": ids(3, 4)}]
+    calls = [{"input_ids": ids(2, 5), "use_cache": True}, {"input_ids": ids(2, 4), "use_cache": True},
+             {"input_ids": ids(3, 4)}]
     assert plans_of(calls) == [
         ("use_cache=True", [0, 1], ["input_ids"], {"use_cache": True}),
         ("use_cache default", [2], ["input_ids"], {}),

@@ -15,10 +15,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from models import MLP, Scorer  # noqa: E402
-
 from pytest_exportobs import InputObserver  # noqa: E402
 from pytest_exportobs.observe.recorder import CallCounts  # noqa: E402
+
+from models import MLP, Scorer  # noqa: E402
 
 X = torch.randn(3, 8)
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from models import QUICK_CHECK, junit_cases
 
 torch = pytest.importorskip("torch")

@@ -158,7 +158,9 @@ def ones(batch: int, seq: int) -> torch.Tensor:
     return torch.ones(batch, seq, dtype=torch.int64)
 
 
-def prefill_then_decode(make_dynamic_cache: Callable, batch: int, prompt: int, steps: int, **prefill: Any) -> list[Call]:
+def prefill_then_decode(
+    make_dynamic_cache: Callable, batch: int, prompt: int, steps: int, **prefill: Any
+) -> list[Call]:
     """The calls of a greedy generation: the prompt without a cache, then one token per step."""
     calls: list[Call] = [((), dict(input_ids=ids(batch, prompt), **prefill, attention_mask=ones(batch, prompt)))]
     for past in range(prompt, prompt + steps):
@@ -318,7 +320,8 @@ def test_random_nests_infer_the_dynamic_shapes_of_the_oracle(templates, n_calls,
         expected_flat = list(oracle.info.infer_dynamic_shapes(set_batch_dimension_for=batch_for, return_flat=True))
     except Exception:  # inputs the oracle rejects are out of the comparison
         assume(False)
-    actual = observe(ThreeInputs(), calls, store_n_calls=n_calls).infer_dynamic_shapes(set_batch_dimension_for=batch_for)
+    actual = observe(ThreeInputs(), calls, store_n_calls=n_calls).infer_dynamic_shapes(
+        set_batch_dimension_for=batch_for)
 
     # Per-leaf dims of the oracle, in the structure of the arguments themselves.
     first = calls[0][1] if by_name else calls[0][0]
@@ -332,7 +335,8 @@ def test_positions_in_set_batch_dimension_for_also_name_keyword_arguments() -> N
     calls = [((), {"x": torch.randn(2, n), "y": torch.randn(2, n)}) for n in (3, 4)]
     observer = observe(AddModel(), calls)
     assert observer.infer_dynamic_shapes(set_batch_dimension_for={0}) == {"x": {0: DYN, 1: DYN}, "y": {1: DYN}}
-    with pytest.raises(ValueError, match=re.escape("set_batch_dimension_for: no input named 'z'; inputs are ['x', 'y']")):
+    with pytest.raises(ValueError,
+                       match=re.escape("set_batch_dimension_for: no input named 'z'; inputs are ['x', 'y']")):
         observer.infer_dynamic_shapes(set_batch_dimension_for={"z"})
 
 
@@ -475,7 +479,8 @@ def test_a_call_that_cannot_be_recorded_still_runs_and_the_reason_is_kept(opaque
     torch.testing.assert_close(result, torch.full((2,), 2.0))
     assert observer.counts == CallCounts(failed=1)
     assert observer.errors == ["TypeError: cannot flatten Opaque"]
-    with pytest.raises(ValueError, match=re.escape("1 call(s) could not be recorded: TypeError: cannot flatten Opaque")):
+    with pytest.raises(ValueError,
+                       match=re.escape("1 call(s) could not be recorded: TypeError: cannot flatten Opaque")):
         observer.infer_dynamic_shapes()
 
 
@@ -586,7 +591,8 @@ def test_a_rank_change_names_the_input_and_the_ranks() -> None:
 def test_a_rank_change_names_only_the_calls_that_differ() -> None:
     calls = [((torch.randn(n, 3), torch.randn(1, 3)), {}) for n in range(2, 7)]
     calls.insert(3, ((torch.randn(3, 3, 1), torch.randn(1, 3)), {}))
-    assert errors_of(calls, AddModel()) == "input 'x' changes rank between calls (rank 2 in calls 0-2, 4-5; rank 3 in call 3)"
+    assert errors_of(calls, AddModel()) == (
+        "input 'x' changes rank between calls (rank 2 in calls 0-2, 4-5; rank 3 in call 3)")
 
 
 @pytest.mark.parametrize(

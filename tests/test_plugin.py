@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from models import QUICK_CHECK, SOURCE as MODELS, junit_cases
+
+from models import QUICK_CHECK, junit_cases
+from models import SOURCE as MODELS
 
 CONFTEST = '''
 import pytest, torch
@@ -97,7 +99,8 @@ def test_exit_code_zero_when_every_model_passes(pytester: pytest.Pytester) -> No
 
 
 def test_progress_lines_and_summary_table(suite: pytest.Pytester) -> None:
-    result = suite.runpytest_subprocess("--export-check", "--export-examples=0", "-k", "batch", "-p", "no:cacheprovider")
+    result = suite.runpytest_subprocess("--export-check", "--export-examples=0", "-k", "batch",
+                                        "-p", "no:cacheprovider")
     result.stdout.fnmatch_lines([
         "exportobs [[]1/1[]] mlp: infer (*s)",
         "exportobs [[]1/1[]] mlp: export (*s)",
@@ -217,9 +220,11 @@ def test_crashing(mlp):
 
 def test_isolate_turns_a_native_crash_into_one_failed_model(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(models=MODELS, conftest=CRASHING_CONFTEST, test_crash=TEST_CRASHING)
-    result = pytester.runpytest_subprocess("--export-check", "--export-isolate", "--export-examples=0", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("--export-check", "--export-isolate", "--export-examples=0",
+                                           "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3, failed=1)
-    result.stdout.fnmatch_lines(["FAILED exportobs::crashing - failed at isolate: the isolated check process died (signal SIGSEGV)"])
+    result.stdout.fnmatch_lines(
+        ["FAILED exportobs::crashing - failed at isolate: the isolated check process died (signal SIGSEGV)"])
 
 
 def test_a_worker_dying_while_checking_makes_its_models_incomplete(pytester: pytest.Pytester) -> None:
@@ -301,5 +306,6 @@ def test_each_graph_of_a_model_is_shown_recorded_and_gated(pytester: pytest.Pyte
     baseline["models"]["decoder"]["graph_dims"]["without past"]["x"]["2"] = "features"
     (pytester.path / "baseline.json").write_text(json.dumps(baseline))
     gated = pytester.runpytest_subprocess(*QUICK_CHECK, *workers, "--export-baseline=baseline.json")
-    gated.stdout.fnmatch_lines(["exportobs gate: 1 regression (decoder: [[]without past[]] dim x.2 (features) became static)"])
+    gated.stdout.fnmatch_lines(
+        ["exportobs gate: 1 regression (decoder: [[]without past[]] dim x.2 (features) became static)"])
     assert gated.ret == pytest.ExitCode.TESTS_FAILED

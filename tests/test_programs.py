@@ -13,13 +13,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from models import tiny_llama_config  # noqa: E402
-
 from pytest_exportobs.core.caches import make_dynamic_cache  # noqa: E402
 from pytest_exportobs.engine.check import check_model  # noqa: E402
 from pytest_exportobs.engine.settings import CheckSettings  # noqa: E402
 from pytest_exportobs.observe.store import ObserveOptions, SessionStore  # noqa: E402
 from pytest_exportobs.shapes.spec import spec_api  # noqa: E402
+
+from models import tiny_llama_config  # noqa: E402
 
 # Run in a new interpreter: nothing of transformers imported but what `import transformers` does.
 FRESH = '''

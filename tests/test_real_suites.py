@@ -16,8 +16,9 @@ import numpy as np
 import onnxruntime
 import pytest
 import torch
-from models import junit_cases
 from transformers import BertConfig, BertForSequenceClassification  # imported before pytester snapshots modules
+
+from models import junit_cases
 
 TEST_BERT = '''
 import pytest, torch

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
+from pytest_exportobs.engine.result import ModelResult
 from pytest_exportobs.gate.baseline import Baseline
 from pytest_exportobs.gate.judge import gate
 from pytest_exportobs.gate.reports import write_reports
-from pytest_exportobs.engine.result import ModelResult
 
 ENV = {"torch": "2.10.0", "onnx": "1.19.0"}
 LM_DIMS = {"input_ids": {"0": "batch", "1": "seq"}}

@@ -14,12 +14,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from models import SOURCE, tiny_llama_config  # noqa: E402
-
 from pytest_exportobs import InputObserver  # noqa: E402
 from pytest_exportobs.engine.export import export_model  # noqa: E402
 from pytest_exportobs.engine.repro import Repro, write_repro  # noqa: E402
 from pytest_exportobs.shapes.model import ShapeModel  # noqa: E402
+
+from models import SOURCE, tiny_llama_config  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def mymodels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]:
@@ -85,7 +86,8 @@ def test_a_model_built_from_a_config_mapping_is_rebuilt_with_from_config(mymodel
 
     assert (repro.runnable, repro.note) == (True, "")
     assert (tmp_path / "repro" / "config.json").read_text() == '{\n "width": 6\n}'
-    assert 'return FromConfig.from_config(json.loads((HERE / "config.json").read_text()))' in Path(repro.path).read_text()
+    assert ('return FromConfig.from_config(json.loads((HERE / "config.json").read_text()))'
+            in Path(repro.path).read_text())
     completed = run(repro, tmp_path)
     assert completed.returncode == 1
     assert outcome.error_type in completed.stderr
@@ -135,7 +137,8 @@ def test_class_defined_in_a_function_needs_the_user(tmp_path):
 
     name = f"{__name__}.test_class_defined_in_a_function_needs_the_user.<locals>.Local"
     assert repro.runnable is False
-    assert repro.note == f"repro needs the model: {name} cannot be rebuilt automatically (it is defined inside a function)"
+    assert repro.note == (
+        f"repro needs the model: {name} cannot be rebuilt automatically (it is defined inside a function)")
     assert repro.note in Path(repro.path).read_text()
     completed = run(repro, tmp_path)
     assert completed.returncode == 1
@@ -146,7 +149,8 @@ def test_class_defined_in_a_function_needs_the_user(tmp_path):
     ("build", "why"),
     [
         (lambda m: m.NeedsWidth(16), "its constructor needs arguments: width"),
-        (lambda m: m.Scorer(hidden=4), "Scorer() has other parameters than the observed instance, built with arguments"),
+        (lambda m: m.Scorer(hidden=4),
+         "Scorer() has other parameters than the observed instance, built with arguments"),
     ],
 )
 def test_class_that_cls_cannot_rebuild_needs_the_user(mymodels, tmp_path, build, why):

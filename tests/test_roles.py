@@ -87,8 +87,10 @@ def test_labels_in_one_call_join_the_sequence_of_the_tokens() -> None:
 
 
 def test_a_mask_given_in_one_call_joins_the_variables_it_equals() -> None:
-    calls = [{"x": torch.randn(3, 5, 16)}, {"x": torch.randn(4, 7, 16)}, {"x": torch.randn(2, 6, 16), "mask": ones(2, 6)}]
-    assert summary(shapes_of(calls)) == ("x{0:batch,1:seq} mask{0:batch,1:seq}", {"batch": "observed", "seq": "observed"}, [])
+    calls = [{"x": torch.randn(3, 5, 16)}, {"x": torch.randn(4, 7, 16)},
+             {"x": torch.randn(2, 6, 16), "mask": ones(2, 6)}]
+    assert summary(shapes_of(calls)) == (
+        "x{0:batch,1:seq} mask{0:batch,1:seq}", {"batch": "observed", "seq": "observed"}, [])
 
 
 @pytest.mark.parametrize(

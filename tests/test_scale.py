@@ -7,9 +7,12 @@ import json
 import re
 
 import pytest
-from models import QUICK_CHECK as ARGS, SOURCE as MODELS, junit_cases
 
 from pytest_exportobs.plugin.xdist import placement
+
+from models import QUICK_CHECK as ARGS
+from models import SOURCE as MODELS
+from models import junit_cases
 
 CONFTEST = '''
 import os
@@ -103,7 +106,8 @@ def run(suite: pytest.Pytester, *args: str) -> tuple[dict[str, str], dict[str, d
 
 
 def verdicts_and_dims(models: dict[str, dict]) -> dict[str, tuple[str, dict]]:
-    return {name: (m["verdict"], m["graphs"][0]["dims"] if m.get("graphs") else m["dims"]) for name, m in models.items()}
+    return {name: (m["verdict"], m["graphs"][0]["dims"] if m.get("graphs") else m["dims"])
+            for name, m in models.items()}
 
 
 def workers(suite: pytest.Pytester) -> dict[str, str]:
@@ -147,7 +151,8 @@ def test_export_jobs_checks_models_at_once_with_the_same_results(suite: pytest.P
     assert verdicts_and_dims(two) == verdicts_and_dims(one)
     ended = [line for line in result.stdout.lines if re.fullmatch(r"exportobs \[\d/4\] \S+: passed in [\d.]+s", line)]
     assert sorted(line.split()[2] for line in ended) == ["classifier:", "encoder:", "scorer:", "watched:"]
-    exports = [line for line in result.stdout.lines if re.fullmatch(r"exportobs \[\d/4\] \S+: export \([\d.]+s\)", line)]
+    exports = [line for line in result.stdout.lines
+               if re.fullmatch(r"exportobs \[\d/4\] \S+: export \([\d.]+s\)", line)]
     assert len(exports) == 4
 
 

@@ -12,10 +12,10 @@ torch = pytest.importorskip("torch")
 
 from torch.utils import _pytree  # noqa: E402
 
-from models import example_arguments  # noqa: E402
-
 from pytest_exportobs import InputObserver, ShapeModel, string_type  # noqa: E402
 from pytest_exportobs.core.text import format_dims  # noqa: E402
+
+from models import example_arguments  # noqa: E402
 
 DYN = torch.export.Dim.DYNAMIC
 NO_RELATION_NOTE = "one observed call: no relation between dimensions can be inferred"
@@ -185,7 +185,9 @@ def test_llama_bad_dim_names_are_value_errors(llama_observer, overrides, message
         llama_observer.infer_dynamic_shapes(dim_names=overrides)
 
 
-def test_llama_example_is_synthesized_with_every_dynamic_size_at_least_2(tiny_llama, llama_observer, llama_shapes) -> None:
+def test_llama_example_is_synthesized_with_every_dynamic_size_at_least_2(
+    tiny_llama, llama_observer, llama_shapes
+) -> None:
     from pytest_exportobs import register_flattening_functions
 
     # Prefills have an empty cache, decode steps one new token: no recorded call is safe.
@@ -210,7 +212,8 @@ def test_llama_example_is_synthesized_with_every_dynamic_size_at_least_2(tiny_ll
 
 
 def test_dims_equal_in_one_call_only_stay_two_variables() -> None:
-    shapes = shape_model([{"x": zeros(3), "y": zeros(3)}, {"x": zeros(4), "y": zeros(5)}, {"x": zeros(6), "y": zeros(2)}])
+    shapes = shape_model([{"x": zeros(3), "y": zeros(3)}, {"x": zeros(4), "y": zeros(5)},
+                          {"x": zeros(6), "y": zeros(2)}])
     assert shapes.leaf_axes() == [{0: "x_dim0"}, {0: "y_dim0"}]
     assert shapes.bounds() == {"x_dim0": (3, 6), "y_dim0": (2, 5)}
 
@@ -289,7 +292,8 @@ def test_named_dims_tie_equal_axes_in_torch_export() -> None:
     observer = observed(model, [text(2, 5), text(3, 7)])
     shapes = observer.infer_dynamic_shapes(dim_names=True)
     assert dim_names(shapes) == {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
-    assert shapes["input_ids"][0] is shapes["attention_mask"][0] and shapes["input_ids"][1] is shapes["attention_mask"][1]
+    assert (shapes["input_ids"][0] is shapes["attention_mask"][0]
+            and shapes["input_ids"][1] is shapes["attention_mask"][1])
 
     program = torch.export.export(model, (), kwargs=observer.infer_arguments(), dynamic_shapes=shapes)
     assert len(program.range_constraints) == 2  # one symbol per name

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from models import tiny_llama_config
-
 from pytest_exportobs import InputObserver, ObserverError, make_dynamic_cache, register_flattening_functions
 from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.observe.store import ObserveOptions, SessionStore
 from pytest_exportobs.shapes.spec import spec_api
+
+from models import tiny_llama_config
 
 NEEDS_SPEC = pytest.mark.skipif(spec_api() is None, reason="torch.fx.experimental.dynamic_spec needs torch >= 2.14")
 

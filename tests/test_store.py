@@ -128,6 +128,7 @@ def test_models_of_one_class_and_shapes_but_another_config_are_two_groups() -> N
     single, multi, single_again = bert("single_label_classification"), bert("multi_label_classification"), \
         bert("single_label_classification")
     store = SessionStore()
-    groups = [store.group_for(m, "BertForSequenceClassification", ObserveOptions()) for m in (single, multi, single_again)]
+    groups = [store.group_for(m, "BertForSequenceClassification", ObserveOptions())
+              for m in (single, multi, single_again)]
     assert groups[0] is groups[2] is not groups[1]
     assert sorted(store.groups) == sorted(f"BertForSequenceClassification[{identity(m)}]" for m in (single, multi))

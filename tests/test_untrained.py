@@ -12,8 +12,8 @@ from torch.utils import _pytree
 
 transformers = pytest.importorskip("transformers")
 
-from pytest_exportobs.core.pytrees import register_flattening_functions  # noqa: E402
 from pytest_exportobs.api.untrained import get_untrained_model_with_inputs  # noqa: E402
+from pytest_exportobs.core.pytrees import register_flattening_functions  # noqa: E402
 
 B, S, P, E = 2, 3, 5, 7  # default batch, new tokens, cached tokens, encoder tokens
 VOCAB, HIDDEN = 1000, 64

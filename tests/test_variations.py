@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.utils import _pytree
 
-from models import example_arguments, tiny_llama_config
-
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.engine.variations import Leaves, VariationOutcome, explore, size_ranges
 from pytest_exportobs.engine.verify import OnnxRunner, Tolerance
 from pytest_exportobs.shapes.dims import Relation
 from pytest_exportobs.shapes.synthesis import build_leaves, complete_sizes, ignore_padded_labels, recipes
+
+from models import example_arguments, tiny_llama_config
 
 
 class OddBatchShift(torch.nn.Module):
@@ -224,9 +224,9 @@ def test_position_ids_of_decode_steps_stay_arange_like(tmp_path):
 
 def test_tiny_llama_variations(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from pytest_exportobs.engine.export import export_model
     from pytest_exportobs.core.caches import make_dynamic_cache
     from pytest_exportobs.core.pytrees import register_flattening_functions
+    from pytest_exportobs.engine.export import export_model
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256)).eval()
@@ -301,7 +301,8 @@ def test_generated_masks_look_like_a_tokenizers(recorded: torch.Tensor, left: bo
     model = MaskUser()
     with observer(model):
         model(torch.randn(2, recorded.shape[1], 4), **{name: recorded})
-        model(torch.randn(3, recorded.shape[1] + 1, 4), **{name: torch.cat([recorded, recorded[:1]])[:, :1].repeat(1, recorded.shape[1] + 1)})
+        model(torch.randn(3, recorded.shape[1] + 1, 4),
+              **{name: torch.cat([recorded, recorded[:1]])[:, :1].repeat(1, recorded.shape[1] + 1)})
     shapes = ShapeModel.from_aligned(observer.aligned())
     leaf = shapes.aligned.leaf_names.index(name)
     recipe = recipes(shapes)[leaf]

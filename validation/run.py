@@ -118,7 +118,8 @@ def read_groups(report: Path) -> list[Group]:
     models = json.loads(report.read_text())["models"]
     return [
         Group(m["name"], m["model_class"].rsplit(".", 1)[-1], m["verdict"], m.get("stage", ""), m.get("kind", ""),
-              m.get("reason", ""), len(m.get("graphs", [])), m.get("n_observations", 0), sum(m.get("timings", {}).values()))
+              m.get("reason", ""), len(m.get("graphs", [])), m.get("n_observations", 0),
+              sum(m.get("timings", {}).values()))
         for m in (models.values() if isinstance(models, dict) else models)
     ]
 
@@ -137,7 +138,8 @@ def table(result: Architecture) -> str:
              f"{result.internal_errors} INTERNALERROR; {result.seconds_without:.0f} s without the plugin, "
              f"{result.seconds_with:.0f} s with it (observation and checks).", ""]
     lines += [f"- changed: `{name}` {before} → {after}" for name, (before, after) in result.changed.items()]
-    lines += ["", "| model class | groups | passed / failed / skipped | main group | graphs | verdict | stage / kind | check time |",
+    lines += ["", "| model class | groups | passed / failed / skipped | main group | graphs | verdict "
+                  "| stage / kind | check time |",
               "|---|---|---|---|---|---|---|---|"]
     by_class: dict[str, list[Group]] = defaultdict(list)
     for group in result.groups:
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable, help="interpreter of the environment to test in")
     parser.add_argument("--tests", type=Path, required=True, help="the test tree (made by --mirror/--tag)")
     parser.add_argument("--mirror", type=Path, help="a git directory of the transformers repository")
-    parser.add_argument("--tag", default="v5.15.0", help="the release whose tests to take (match the installed version)")
+    parser.add_argument("--tag", default="v5.15.0",
+                        help="the release whose tests to take (match the installed version)")
     parser.add_argument("--workdir", type=Path, default=Path("validation-results"))
     parser.add_argument("--skip-baseline", action="store_true", help="reuse the runs without the plugin")
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (-k, --timeout ...)")
@@ -187,7 +190,8 @@ def _architecture(args: argparse.Namespace, arch: str) -> Architecture:
         saved.write_text(json.dumps(asdict(without)))
     with_plugin = run_tests(args.python, args.tests, arch, out, plugin=True, extra=args.pytest_args)
     return Architecture(arch, len(without.outcomes), compare(without, with_plugin),
-                        with_plugin.internal_errors, without.seconds, with_plugin.seconds, read_groups(out / "report.json"))
+                        with_plugin.internal_errors, without.seconds, with_plugin.seconds,
+                        read_groups(out / "report.json"))
 
 
 if __name__ == "__main__":

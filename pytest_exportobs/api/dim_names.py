@@ -12,7 +12,7 @@ shape model infers:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -28,7 +28,7 @@ LLM_DIM_NAMES = {  # our role names -> the names of ONNX Runtime GenAI and yobx
 Axes = dict[int, Any]
 
 
-def is_per_input(dim_names: Any) -> bool:
+def is_per_input(dim_names: Any) -> TypeGuard[Mapping[str | int, Mapping[int, str]]]:
     """Whether ``dim_names`` is yobx's ``{input: {axis: name}}`` form."""
     return isinstance(dim_names, Mapping) and any(isinstance(v, Mapping) for v in dim_names.values())
 

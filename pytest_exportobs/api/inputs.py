@@ -74,7 +74,8 @@ class ModelInputs:
             aligned = align_calls(self.inputs, self.signature)
             flat = _per_leaf(aligned, ShapeModel.from_aligned(aligned).leaf_axes(), auto, positional)
             by_name = {
-                slot.name: None if slot.is_constant else spec_structure(slot.spec, iter(flat[slot.start : slot.stop]))
+                slot.name: None if slot.is_constant
+                else spec_structure(slot.tree_spec, iter(flat[slot.start : slot.stop]))
                 for slot in aligned.slots
             }
         return tuple(by_name.get(name) for name in positional), {
@@ -152,7 +153,7 @@ def _place_names(
     places: dict[int, str] = {}
     for group in (by_position, keywords):
         for i, slot in enumerate(group):
-            for offset, place in enumerate(_leaf_places(slot.spec, f"{prefix}_{i}I")):
+            for offset, place in enumerate(_leaf_places(slot.tree_spec, f"{prefix}_{i}I")):
                 places[slot.start + offset] = place
     return [{d: f"{places[leaf]}{d}" for d in leaf_axes} for leaf, leaf_axes in enumerate(axes)]
 

@@ -85,14 +85,13 @@ class InputObserver(CallRecorder):
             return self._shapes_spec(set_batch_dimension_for)
         if isinstance(dim_names, str) and dim_names != LLM:
             raise ObserverError(f"dim_names={dim_names!r}: expected None, True, {LLM!r} or a dict")
-        per_input = is_per_input(dim_names)
-        ours = None if per_input else (True if dim_names == LLM else dim_names)
+        ours = None if is_per_input(dim_names) else (True if dim_names == LLM else dim_names)
         shapes = self._shape_model(set_batch_dimension_for, ours)
         with flattening_context():
             dynamic_shapes = shapes.to_dynamic_shapes(named=bool(ours))
         if dim_names == LLM:
             return llm_names(dynamic_shapes)
-        if per_input:
+        if is_per_input(dim_names):
             assert self.signature is not None
             with user_errors():
                 return names_per_input(
@@ -167,6 +166,7 @@ class InputObserver(CallRecorder):
         required arguments: they are stood in for like absent optional ones."""
         if self.signature is None:
             self._shape_model()  # raises: nothing was recorded
+        assert self.signature is not None
         probe = InputObserver(self.value_if_missing)
         probe.signature = self.signature.replace(parameters=[
             p.replace(default=None) if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) else p

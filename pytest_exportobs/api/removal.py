@@ -22,7 +22,7 @@ def without_inputs(
     names = set()
     for item in input_names:
         name = parameters[item].name if isinstance(item, int) and 0 <= item < len(parameters) else item
-        if name in signature.parameters and signature.parameters[name].kind in (
+        if isinstance(name, str) and name in signature.parameters and signature.parameters[name].kind in (
             inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD
         ):
             raise ValueError(f"Cannot remove variadic argument {name!r}: remove the values it collects by name")

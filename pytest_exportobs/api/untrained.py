@@ -314,7 +314,8 @@ def _speech_inputs(model: torch.nn.Module, sizes: Sizes, cls_cache: str) -> Inpu
 
     The number of frames stays static: Whisper requires ``2 * max_source_positions`` of them.
     """
-    config, batch = model.config, sizes.batch_size
+    config: Any = model.config  # a transformers config: its attributes depend on the model
+    batch = sizes.batch_size
     encoder_len = config.max_source_positions  # two stride-2 convolutions: frames = 2 * positions
     inputs: dict[str, Any] = dict(
         input_features=torch.randn((batch, config.num_mel_bins, 2 * encoder_len)),
@@ -329,7 +330,7 @@ def _speech_inputs(model: torch.nn.Module, sizes: Sizes, cls_cache: str) -> Inpu
 
 def _image_inputs(model: torch.nn.Module, sizes: Sizes, cls_cache: str) -> Inputs:
     """Square images; height and width stay static when the config fixes ``image_size``."""
-    config = model.config
+    config: Any = model.config
     side = getattr(config, "image_size", IMAGE_SIZE)
     pixel_values = torch.randn((sizes.batch_size, config.num_channels, side, side))
     axes = {0: BATCH} if hasattr(config, "image_size") else {0: BATCH, 2: HEIGHT, 3: WIDTH}

@@ -8,13 +8,14 @@ Tensors are assigned to the layers, as ``lazy_initialization`` + ``update`` leav
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
+C = TypeVar("C")
 KeyValue = tuple[torch.Tensor, torch.Tensor]
 LayerClasses = str | type | Sequence[str | type] | None
-LayerKwargs = dict[str, Any] | Sequence[dict[str, Any]] | None
+LayerKwargs = dict[str, Any] | list[dict[str, Any]] | tuple[dict[str, Any], ...] | None
 
 ENCODER_DECODER_FIELDS = ["self_attention_cache", "cross_attention_cache"]
 
@@ -52,7 +53,7 @@ def dynamic_cache(pairs: Sequence[KeyValue], layers: Sequence[Any] | None = None
     return cache
 
 
-def static_cache(cls: type, pairs: Sequence[KeyValue]) -> Any:
+def static_cache(cls: type[C], pairs: Sequence[KeyValue]) -> C:
     """A ``cls`` (``StaticCache`` or a subclass) holding ``pairs``, already max_cache_len long."""
     cache_utils = cache_module()
     layers = [_filled(cache_utils.StaticLayer(max_cache_len=k.shape[2]), k, v) for k, v in pairs]
@@ -127,7 +128,9 @@ def make_dynamic_cache(
     return dynamic_cache(checked, _new_layers(checked, cls_layers, cls_kwargs))
 
 
-def _new_layers(pairs: list[KeyValue], cls_layers: LayerClasses, cls_kwargs: LayerKwargs) -> list[Any]:
+def _new_layers(
+    pairs: list[KeyValue], cls_layers: str | type | Sequence[str | type], cls_kwargs: LayerKwargs
+) -> list[Any]:
     """One new layer per pair, of the class ``cls_layers`` names for it."""
     per_layer = [cls_layers] * len(pairs) if isinstance(cls_layers, (str, type)) else list(cls_layers)
     kwargs = [cls_kwargs or {}] * len(pairs) if not isinstance(cls_kwargs, (list, tuple)) else list(cls_kwargs)
@@ -168,7 +171,7 @@ def make_static_cache(pairs: Sequence[KeyValue], max_cache_len: int) -> Any:
         tuple(torch.nn.functional.pad(t, (0, 0, 0, max_cache_len - t.shape[2])) for t in pair)
         for pair in checked
     ]
-    return static_cache(cache_module().StaticCache, padded)
+    return static_cache(cache_module().StaticCache, cast(list[KeyValue], padded))
 
 
 def make_encoder_decoder_cache(self_attention_cache: Any, cross_attention_cache: Any) -> Any:

@@ -176,15 +176,16 @@ def batched_image_features() -> Iterator[None]:
     if module is None:
         yield
         return
-    shadowed = vars(module).get("list")  # an enclosing block's (blocks nest)
-    module.list = _images_as_one
+    names = vars(module)
+    shadowed = names.get("list")  # an enclosing block's (blocks nest)
+    names["list"] = _images_as_one
     try:
         yield
     finally:
         if shadowed is None:
-            del module.list
+            del names["list"]
         else:
-            module.list = shadowed
+            names["list"] = shadowed
 
 
 def _images_as_one(*args: Any) -> list[Any]:

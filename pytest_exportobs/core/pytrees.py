@@ -33,8 +33,9 @@ import torch.utils._pytree as pytree
 from .caches import ENCODER_DECODER_FIELDS, KeyValue, cache_module, dynamic_cache, static_cache
 from .export_patches import export_patches
 
-Flatten = Callable[[Any], tuple[list[Any], list[str]]]
-Unflatten = Callable[[Sequence[Any], list[str]], Any]
+# the context is a list of names, or a MixedLayers for a DynamicCache of mixed layers
+Flatten = Callable[[Any], tuple[list[Any], Any]]
+Unflatten = Callable[[Sequence[Any], Any], Any]
 
 _LAYER_ARGUMENTS = ("sliding_window",)  # constructor arguments a layer keeps as attributes
 _STATIC_CACHE_CLASSES = ("StaticCache", "SlidingWindowCache", "HybridCache")
@@ -185,7 +186,7 @@ def _acquire(nodes: dict[type, tuple[Flatten, Unflatten]]) -> list[type]:
                 pytree.register_pytree_node(
                     cls,
                     flatten,
-                    unflatten,
+                    unflatten,  # type: ignore[arg-type]  # typed Iterable in torch, always given a list
                     serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
                     flatten_with_keys_fn=_with_keys(flatten),
                     to_dumpable_context=_dumpable,

@@ -31,7 +31,7 @@ def bind_constants(module: torch.nn.Module, method: str, aligned: AlignedCalls) 
     if method == "forward" and not aligned.constants() and not any(s.var_keyword for s in aligned.slots):
         return module
     parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    kind: inspect._ParameterKind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     for slot in aligned.slots:
         if slot.is_constant:
             continue

@@ -113,6 +113,10 @@ def _source_files(module: torch.nn.Module) -> list[str]:
 
 
 def _file_digest(path: Path) -> str:
+    """SHA-256 of the file, read in chunks (``hashlib.file_digest`` is Python 3.11+)."""
+    digest = hashlib.sha256()
     with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 

@@ -133,8 +133,10 @@ class _ModelCheck:
 
     def _difference(self, first: int, other: int) -> str:
         """What sets recorded call ``other``'s input structure apart from call ``first``'s."""
-        calls = [(o.args, o.kwargs) for o in (self.group.recorder.observations[i] for i in (first, other))]
-        return structure_difference(*calls, self.group.recorder.signature)
+        recorder = self.group.recorder
+        assert recorder.signature is not None  # the calls compared were recorded
+        first_call, other_call = [(o.args, o.kwargs) for o in (recorder.observations[i] for i in (first, other))]
+        return structure_difference(first_call, other_call, recorder.signature)
 
     def _infer(self, family: list[int]) -> ShapeModel:
         self.progress(Stage.INFER, "")
@@ -193,7 +195,9 @@ class _ModelCheck:
     ) -> tuple[list[GraphCheck], list[int]]:
         """Export and verify graph after graph; plans an exported graph serves need none.
         Returns the checks (their calls numbered as the model's) and the calls left unverified."""
-        queue, done, unverified = deque(plan_graphs(joint.aligned)), [], []
+        queue = deque(plan_graphs(joint.aligned))
+        done: list[GraphCheck] = []
+        unverified: list[int] = []
         while queue:
             plan = queue.popleft()
             if any(_serves(check, joint, plan) for check in done):

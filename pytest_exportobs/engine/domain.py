@@ -9,6 +9,7 @@ model with what torch proved, and reports the dims of the file actually written.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,7 @@ def deferred_asserts(program: torch.export.ExportedProgram) -> list[sympy.Basic]
 
 
 def refinements(
-    shapes: ShapeModel, inputs: list[int], read: list[Shape], asserts: list[sympy.Basic] = ()
+    shapes: ShapeModel, inputs: list[int], read: list[Shape], asserts: Sequence[sympy.Basic] = ()
 ) -> tuple[dict[str, str], list[list[Any]]]:
     """What torch proved or asserts about the variables, from the program's input shapes and
     runtime asserts: variables whose axes share one symbol are equal (``["merge", name,
@@ -117,8 +118,8 @@ def refinements(
     names: dict[str, str] = {}
     found: list[list[Any]] = []
     for var in shapes.variables:
-        exprs = {read[position[leaf]][dim] for leaf, dim in var.axes if leaf in position}
-        exprs = [e for e in exprs if isinstance(e, sympy.Expr) and not e.is_number]
+        read_exprs = {read[position[leaf]][dim] for leaf, dim in var.axes if leaf in position}
+        exprs = [e for e in read_exprs if isinstance(e, sympy.Expr) and not e.is_number]
         if len(exprs) != 1:
             continue
         expr, scaled = exprs[0], _scaled_symbol(exprs[0])
@@ -154,7 +155,7 @@ def _scaled_name(name: str, scale: int) -> str:
     return f"{name}_half" if scale == 2 else f"{name}_div{scale}"
 
 
-def _asserted_divisor(symbol: sympy.Symbol, asserts: list[sympy.Basic]) -> int | None:
+def _asserted_divisor(symbol: sympy.Symbol, asserts: Sequence[sympy.Basic]) -> int | None:
     """The smallest ``c`` such that, from the first size the asserts on ``symbol`` alone allow,
     no other size than multiples of ``c`` passes them and most multiples do (what a stride-2
     layer with a skip connection asserts).  A lower bound or a few sizes excluded

@@ -82,7 +82,7 @@ class Stages:
         self.outcome = outcome
 
     @contextlib.contextmanager
-    def run(self, name: str) -> Iterator[None]:
+    def run(self, name: Stage) -> Iterator[None]:
         self.outcome.stage = name
         begin = time.perf_counter()
         try:
@@ -130,7 +130,7 @@ def export_model(
             return outcome
         _to_onnx(stages, program, names, onnx_path, outcome)
         outcome.dims = _onnx_dims(shapes, onnx_path, outcome)
-        if key is not None:
+        if cache is not None and key is not None:
             _store_cached(cache, key, onnx_path, outcome)
     except StageFailed:
         pass
@@ -154,6 +154,7 @@ def _trace(
     happens to have (a size the model treats specially: DINOv2 skips its position interpolation
     at the config's image size), traced again on recorded calls of other sizes, then on inputs
     synthesized at another size, before failing."""
+    assert outcome.example is not None
     try:
         return trace(module, shapes, outcome.example, not outcome.bound, outcome.notes, probe)
     except Specialized as pinned:
@@ -236,6 +237,7 @@ def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> Example:
 
 def _refine(shapes: ShapeModel, read: list[Shape], outcome: ExportOutcome) -> dict[str, str]:
     """Refine the shape model from the program's input shapes; the names of its symbols."""
+    assert outcome.example is not None
     inputs = outcome.example.inputs
     names, outcome.refinements = refinements(shapes, inputs, read, deferred_asserts(outcome.program))
     outcome.notes.extend(apply_refinements(shapes, outcome.refinements))
@@ -280,6 +282,7 @@ def _to_onnx(stages: Stages, program: Any, names: dict[str, str], path: Path, ou
 def _onnx_dims(shapes: ShapeModel, path: Path, outcome: ExportOutcome) -> dict[str, dict[str, str]]:
     """Dims of the ONNX file's inputs (the intended ones, with a note, if they cannot be matched)."""
     read = onnx_shapes(path)
+    assert outcome.example is not None
     if len(read) != len(outcome.example.inputs):
         outcome.notes.append(
             f"the ONNX model has {len(read)} inputs for {len(outcome.example.inputs)} tensors: dims not read back"
@@ -372,7 +375,8 @@ def _failing_op(error: BaseException) -> Any:
     found = re.search(r"target=torch\.ops\.([\w.]+)", f"{error} {error.__cause__}")
     if found is None:
         return None
-    return functools.reduce(lambda obj, name: getattr(obj, name, None), found[1].split("."), torch.ops)
+    ops: Any = torch.ops
+    return functools.reduce(lambda obj, name: getattr(obj, name, None), found[1].split("."), ops)
 
 
 def _check_onnx(path: Path, outcome: ExportOutcome) -> None:

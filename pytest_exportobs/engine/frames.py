@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-_NOT_USER_DIRS = (*(str(Path(m.__file__).parent) for m in (torch, logging)), str(Path(__file__).parents[1]), "<")
+_NOT_USER_DIRS = (
+    *(str(Path(inspect.getfile(m)).parent) for m in (torch, logging)), str(Path(__file__).parents[1]), "<"
+)
 
 
 def is_user_file(filename: str) -> bool:
@@ -36,7 +38,7 @@ def user_location() -> str:
 def user_frame(error: BaseException) -> str:
     """The innermost user frame of ``error``'s traceback and its cause's, else the last user
     ``File "...", line N`` its message quotes (torch quotes the frame that raised); ``""`` if none."""
-    frames = traceback.extract_tb(error.__traceback__)
+    frames: list[traceback.FrameSummary] = traceback.extract_tb(error.__traceback__)
     for cause in (error.__cause__, error.__context__):
         if cause is not None:
             frames = frames + traceback.extract_tb(cause.__traceback__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,6 +46,7 @@ from .verify import (
 
 T = TypeVar("T")
 Runner = Callable[[list[Any]], list[Any]]
+GraphRunner = Callable[[Sequence[Any]], Sequence[Any]]  # runs the exported graph on flat leaves
 
 
 @dataclass
@@ -92,7 +93,7 @@ class GraphCheck:
     def __init__(self, context: ModelContext, plan: GraphPlan, shapes: ShapeModel, directory: Path):
         self.context, self.plan, self.shapes, self.directory = context, plan, shapes, directory
         self.result = GraphResult(name=plan.name, calls=list(plan.calls), constants=_json_native(plan.constants))
-        self.runner: Runner | None = None
+        self.runner: GraphRunner | None = None
         self.layout = OutputLayout()
         self.split: list[int] = []  # model call indices to move to a graph of their own
 
@@ -102,14 +103,15 @@ class GraphCheck:
         outcome = self._export()
         if not outcome.ok:
             return result
-        self.runner = self._runner(outcome)
-        if self.runner is None:
+        runner = self._runner(outcome)
+        if runner is None:
             return result
+        self.runner = runner
         self.layout = OutputLayout.of(outcome.outputs, self.shapes.aligned.leaf_names)
-        if not self._verify():
+        if not self._verify(runner):
             return result
         if context.examples:
-            self._variations()
+            self._variations(runner)
             if result.kind:
                 return result
         result.verdict = Verdict.PASSED
@@ -118,12 +120,13 @@ class GraphCheck:
     def serves(self, shapes: ShapeModel, calls: list[int]) -> bool:
         """Whether this graph reproduces the given calls of another plan (``shapes``: this
         graph's calls then those, projected on its arguments); if so they join its calls."""
-        if self.runner is None or not self.result.passed:
+        runner = self.runner
+        if runner is None or not self.result.passed:
             return False
         first = shapes.aligned.n_calls - len(calls)
         leaves = [shapes.call_leaves(first + i) for i in range(len(calls))]
         found = self.context.quiet(lambda: verify_calls(
-            self.runner, leaves, [self.context.references[c] for c in calls], self.context.tolerance, self.layout))
+            runner, leaves, [self.context.references[c] for c in calls], self.context.tolerance, self.layout))
         if not all(d.ok for d in found):
             return False
         self.result.calls.extend(calls)
@@ -157,7 +160,7 @@ class GraphCheck:
             self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))
         return outcome
 
-    def _runner(self, outcome: ExportOutcome) -> Runner | None:
+    def _runner(self, outcome: ExportOutcome) -> GraphRunner | None:
         """What runs the graph; ``None`` when onnxruntime lacks a kernel the graph needs (the graph
         is then skipped, kind ``runtime``: the export itself is fine), cannot load it, or crashes
         natively loading it (probed in a process of its own: stage ``isolate``, kind ``crash``)."""
@@ -168,7 +171,7 @@ class GraphCheck:
             if target == "onnx":
                 path = Path(outcome.onnx_path)
                 probe_load(path)
-                runner = self.context.quiet(lambda: OnnxRunner(path))
+                runner: GraphRunner = self.context.quiet(lambda: OnnxRunner(path))
             else:
                 runner = program_runner(outcome.program, self.shapes.aligned, constants=not outcome.bound)
         except NativeCrash as crash:
@@ -191,7 +194,7 @@ class GraphCheck:
             result.timings[result.stage] = time.perf_counter() - begin
         return runner
 
-    def _verify(self) -> bool:
+    def _verify(self, runner: GraphRunner) -> bool:
         """Run every call of the plan; ``False`` when the graph fails.  Calls that lacked an
         argument of the graph and fail are split off instead."""
         context, result = self.context, self.result
@@ -200,7 +203,7 @@ class GraphCheck:
         begin = time.perf_counter()
         leaves = [self.shapes.call_leaves(i) for i in range(len(self.plan.calls))]
         references = [context.references[c] for c in self.plan.calls]
-        found = context.quiet(lambda: verify_calls(self.runner, leaves, references, context.tolerance, self.layout))
+        found = context.quiet(lambda: verify_calls(runner, leaves, references, context.tolerance, self.layout))
         result.timings["verify"] = time.perf_counter() - begin
         self._note_padded(found)
         stood_in = {i for i in range(len(self.plan.calls)) if None in self.shapes.aligned.calls[i]}
@@ -217,7 +220,7 @@ class GraphCheck:
         if worst.kind == "mismatch":
             problem = self._reference_problem(self.plan.calls[worst.index])
             if problem == "stale":
-                return self._verify()  # against references eager gives today
+                return self._verify(runner)  # against references eager gives today
             if problem == "nondeterministic":
                 return False
         source = context.observations[self.plan.calls[worst.index]].source or "recorded call"
@@ -257,16 +260,16 @@ class GraphCheck:
             result.notes.append(f"references {fresh.origin}")
         return found
 
-    def _variations(self) -> None:
+    def _variations(self, runner: GraphRunner) -> None:
         """Generated shapes: a failure is kind ``variation`` with the smallest failing sizes."""
         context, result = self.context, self.result
         context.progress(Stage.VARIATIONS, self.plan.name)
         result.stage = Stage.VARIATIONS
         begin = time.perf_counter()
-        with writing("variations", f"the hypothesis database in {self.directory}"):
+        with writing(Stage.VARIATIONS, f"the hypothesis database in {self.directory}"):
             self.directory.mkdir(parents=True, exist_ok=True)
         variation = context.quiet(lambda: explore(
-            eager=context.eager(self.shapes), run=self.runner, shapes=self.shapes, tolerance=context.tolerance,
+            eager=context.eager(self.shapes), run=runner, shapes=self.shapes, tolerance=context.tolerance,
             examples=context.examples, seed=context.settings.hypothesis_seed,
             database_dir=self.directory / "hypothesis", outputs=self.layout,
             pad_token_id=getattr(getattr(context.module, "config", None), "pad_token_id", None),
@@ -279,6 +282,8 @@ class GraphCheck:
                 "sizes that the shape model keeps independent (e.g. mask = seq + a constant past)"
             )
         if variation.failed:
+            # find() returned the smallest failing example: its sizes and leaves are set
+            assert variation.failing_sizes is not None and variation.failing_leaves is not None
             result.kind = Kind.VARIATION
             sizes = ", ".join(f"{k}={v}" for k, v in variation.failing_sizes.items())
             result.reason = f"fails at {sizes}: {variation.detail}"

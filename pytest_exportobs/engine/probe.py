@@ -74,8 +74,9 @@ class SizeProbe:
             return None
         try:
             outputs = self.eager(detached_clone(leaves_at(self.shapes, {name: before})))
-            returned = {slot: _leaves_of(outputs, slot.spec) for slot in carried}
-            if any(leaves is None for leaves in returned.values()):
+            found = {slot: _leaves_of(outputs, slot.tree_spec) for slot in carried}
+            returned = {slot: leaves for slot, leaves in found.items() if leaves is not None}
+            if len(returned) < len(found):
                 return None
             after = max(leaves[leaf - slot.start].shape[dim] for slot, leaves in returned.items()
                         for leaf, dim in var.axes if slot.start <= leaf < slot.stop)

@@ -37,10 +37,11 @@ def one_line_reason(stage: Stage, error: BaseException) -> str:
 
 def _full_text(error: BaseException) -> str:
     """The messages of an error and of its causes."""
-    texts = []
-    while error is not None and len(texts) < 10:
-        texts.append(str(error))
-        error = error.__cause__ or error.__context__
+    texts: list[str] = []
+    current: BaseException | None = error
+    while current is not None and len(texts) < 10:
+        texts.append(str(current))
+        current = current.__cause__ or current.__context__
     return "\n".join(texts)
 
 

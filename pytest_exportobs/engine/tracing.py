@@ -15,6 +15,7 @@ import inspect
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -102,7 +103,7 @@ def _export(
     notes: list[str],
 ) -> torch.export.ExportedProgram:
     """Named dims, refined until torch accepts them; else ``Dim.DYNAMIC`` and torch's ranges."""
-    named = shapes.to_dynamic_shapes(named=True, constants=constants)
+    named: tuple[Any, ...] | dict[str, Any] | list[Any] = shapes.to_dynamic_shapes(named=True, constants=constants)
     for _ in range(MAX_ATTEMPTS):
         try:
             return _torch_export(module, example, named)
@@ -149,7 +150,7 @@ def _unnamed_export(
 def _torch_export(module: torch.nn.Module, example: Example, dynamic_shapes: Any) -> torch.export.ExportedProgram:
     """torch.export as torch.onnx.export calls it: guards that can wait become runtime asserts
     (a GRU's ``seq != 1`` does not stop its sequence from being dynamic)."""
-    options = {"prefer_deferred_runtime_asserts_over_guards": True} if _DEFERRED_ASSERTS else {}
+    options: dict[str, Any] = {"prefer_deferred_runtime_asserts_over_guards": True} if _DEFERRED_ASSERTS else {}
     return torch.export.export(module, example.args, example.kwargs, dynamic_shapes=dynamic_shapes, **options)
 
 
@@ -159,7 +160,9 @@ def capturing() -> Iterator[None]:
     not specialized) and, where this torch has them, the RNN decompositions into a while loop
     that keep a GRU's or an LSTM's sequence dynamic."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.fx.experimental._config.patch(backed_size_oblivious=True))
+        patch = torch.fx.experimental._config.patch  # type: ignore[attr-defined]  # installed at run time by torch
+        stack.enter_context(patch(backed_size_oblivious=True))
+        _patches: ModuleType | None
         try:
             from torch.export import _patches
         except ImportError:  # torch < 2.10

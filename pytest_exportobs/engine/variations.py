@@ -103,7 +103,7 @@ def size_ranges(
 
 def explore(
     eager: Callable[[Leaves], list[torch.Tensor | None]],
-    run: Callable[[Leaves], Sequence[Any]],
+    run: Callable[[Sequence[Any]], Sequence[Any]],
     shapes: ShapeModel,
     tolerance: Tolerance,
     examples: int,
@@ -158,7 +158,7 @@ class _Trials:
     """Runs each example once (by its sizes) and remembers the order and the verdicts."""
 
     eager: Callable[[Leaves], list[torch.Tensor | None]]
-    run: Callable[[Leaves], Sequence[Any]]
+    run: Callable[[Sequence[Any]], Sequence[Any]]
     shapes: ShapeModel
     tolerance: Tolerance
     leaf_recipes: list[Recipe]
@@ -179,6 +179,7 @@ class _Trials:
             self.verdicts.append(self._verdict(free))
         verdict = self.verdicts[self.examples.index(free)]
         assume(verdict is not None)
+        assert verdict is not None  # assume() ended the example otherwise
         return not verdict.ok
 
     def leaves(self, free: Sizes) -> Leaves:

@@ -89,12 +89,12 @@ def compare(
     ``names`` names the outputs; ``padding`` is the call's attention mask (0: padded), the
     encoder's in an encoder-decoder, whose decoder-side outputs read ``decoder_padding``;
     ``empty_rows`` marks the batch elements a mask leaves attending to nothing."""
-    expected = [t for t in expected if isinstance(t, torch.Tensor)]
+    references = [t for t in expected if isinstance(t, torch.Tensor)]
     actual = [torch.as_tensor(a) if not isinstance(a, torch.Tensor) else a for a in actual if a is not None]
     result = Discrepancy(index=index, ok=True)
-    if len(actual) != len(expected):
-        return _outputs_differ(result, f"{len(actual)} outputs, expected {len(expected)}")
-    for position, (got, ref) in enumerate(zip(actual, expected)):
+    if len(actual) != len(references):
+        return _outputs_differ(result, f"{len(actual)} outputs, expected {len(references)}")
+    for position, (got, ref) in enumerate(zip(actual, references)):
         name = names[position] if position < len(names) else f"output {position}"
         if tuple(got.shape) != tuple(ref.shape):
             return _outputs_differ(result, f"{name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")

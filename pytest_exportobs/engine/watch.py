@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import SupportsInt, TypeGuard
 
 from .frames import user_location
 
@@ -41,7 +42,8 @@ class SpecializationWatch(logging.Handler):
         self.found: list[Specialization] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        message, args = str(record.msg), record.args or ()
+        message = str(record.msg)
+        args = record.args if isinstance(record.args, tuple) else ()  # torch logs its values positionally
         if message.startswith("create_symbol") and len(args) >= 3:
             self.sources[str(args[0])] = str(args[2])
         elif "[guard added]" in message and len(args) >= 2:
@@ -105,5 +107,5 @@ def _mentions(expression: str, symbol: str) -> bool:
     return False
 
 
-def _is_integer(value: object) -> bool:
+def _is_integer(value: object) -> TypeGuard[SupportsInt]:
     return bool(getattr(value, "is_Integer", False)) or isinstance(value, int)

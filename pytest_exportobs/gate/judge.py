@@ -191,6 +191,7 @@ def _judge(
         return GateEntry(name, Verdict.FAILED, _at(verdict, result.stage), notes=notes)
     if not was_failing:
         return GateEntry(name, Verdict.PASSED, notes=notes)
+    assert entry is not None  # was failing in the baseline
     fixed = f"fixed: {_at(entry.verdict, entry.stage)} in the baseline, passes now"
     if strict:
         return GateEntry(name, Verdict.FAILED, f"{fixed} (strict) — {UPDATE_HINT} it", notes=notes)

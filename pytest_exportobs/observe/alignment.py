@@ -55,6 +55,12 @@ class Slot:
     def stop(self) -> int:
         return self.start + len(self.leaf_names)
 
+    @property
+    def tree_spec(self) -> _pytree.TreeSpec:
+        """The pytree spec of a tensor argument (a constant one has none)."""
+        assert self.spec is not None, f"the constant argument {self.name!r} has no pytree spec"
+        return self.spec
+
 
 @dataclass
 class AlignedCalls:
@@ -97,9 +103,11 @@ class AlignedCalls:
         of the first call (with ``strict``, all must share them), and for each leaf of the
         result the leaf it is here."""
         constants = self.call_constants[calls[0]] if self.call_constants is not None else None
-        if strict and constants is not None and any(self.call_constants[i] != constants for i in calls):
+        if strict and self.call_constants is not None and any(self.call_constants[i] != constants for i in calls):
             raise ValueError("calls of one subset must share their constant arguments")
-        kept_slots, origin, start = [], [], 0
+        kept_slots: list[Slot] = []
+        origin: list[int] = []
+        start = 0
         for slot in self.slots:
             if slot.is_constant:
                 if constants is None:
@@ -205,18 +213,19 @@ class AlignedCalls:
                 if constants:
                     values[slot.name] = None
             else:
-                values[slot.name] = spec_structure(slot.spec, iter(per_leaf[slot.start : slot.stop]))
+                values[slot.name] = spec_structure(slot.tree_spec, iter(per_leaf[slot.start : slot.stop]))
         if self.positional:
             return tuple(values.values())
         extra = {s.name: values.pop(s.name) for s in self.slots if s.var_keyword and constants and s.name in values}
         if extra:
+            assert self.kwargs_name is not None  # extra keywords come from a **kwargs parameter
             values[self.kwargs_name] = extra
         return values
 
     def _slot_value(self, slot: Slot, leaves: Sequence[Any]) -> Any:
         if slot.is_constant:
             return slot.constant
-        return _pytree.tree_unflatten(list(leaves[slot.start : slot.stop]), slot.spec)
+        return _pytree.tree_unflatten(list(leaves[slot.start : slot.stop]), slot.tree_spec)
 
 
 def align_calls(
@@ -281,8 +290,10 @@ def _flatten_slot(name: str, label: str, values: list[Any]) -> tuple[_pytree.Tre
         unsupported = next((leaf for leaf in (flat[0] if flat else []) if not _exportable(leaf)), None)
         if unsupported is not None:
             raise UnsupportedInput(name, unsupported)
-    reference = max(range(len(values)), key=lambda i: -1 if flats[i] is None else flats[i][1].num_leaves)
-    spec = flats[reference][1]
+    # align_calls skips an argument absent from every call: some value is present
+    reference, (_, spec) = max(
+        ((i, flat) for i, flat in enumerate(flats) if flat is not None), key=lambda item: item[1][1].num_leaves
+    )
     for i, flat in enumerate(flats):
         if flat is not None and flat[1] != spec:
             count = (
@@ -324,8 +335,8 @@ def _check_ranks(aligned: AlignedCalls) -> None:
     for leaf, name in enumerate(aligned.leaf_names):
         by_rank: dict[int, list[int]] = {}
         for i, call in enumerate(shapes):
-            if call[leaf] is not None:
-                by_rank.setdefault(len(call[leaf]), []).append(i)
+            if (shape := call[leaf]) is not None:
+                by_rank.setdefault(len(shape), []).append(i)
         if len(by_rank) > 1:
             ordered = sorted(by_rank.items(), key=lambda item: -len(item[1]))
             shown = "; ".join(f"rank {r} in call{'s' * (len(c) > 1)} {_spans(c)}" for r, c in ordered)
@@ -354,7 +365,7 @@ def _missing_dims(aligned: AlignedCalls, strict: bool = True) -> dict[int, int]:
     shapes = aligned.shapes()
     dims: dict[int, int] = {}
     for leaf, name in enumerate(aligned.leaf_names):
-        seen = [call[leaf] for call in shapes if call[leaf] is not None]
+        seen = [shape for shape in (call[leaf] for call in shapes) if shape is not None]
         if len(seen) == len(shapes) or not seen:
             continue
         rank = len(seen[0])

@@ -66,7 +66,7 @@ def patched_classes(classes: Iterable[type]) -> list[type]:
 
 
 def _subclasses(cls: type) -> Iterator[type]:
-    stack = list(cls.__subclasses__())
+    stack: list[type] = list(cls.__subclasses__())
     while stack:
         sub = stack.pop()
         yield sub
@@ -150,14 +150,14 @@ class _Patch:
     def install(self) -> None:
         self.own = vars(self.cls).get("__call__")
         self.replacement = _replacement(self.cls, self.own, self.observer)
-        self.cls.__call__ = self.replacement
+        self.cls.__call__ = self.replacement  # type: ignore[method-assign]  # the patch itself
 
     def restore(self) -> None:
         """Give the class its attribute back, unless someone replaced ours meanwhile."""
         if vars(self.cls).get("__call__") is not self.replacement:
             return
         if self.own is not None:
-            self.cls.__call__ = self.own
+            self.cls.__call__ = self.own  # type: ignore[method-assign]
         else:
             delattr(self.cls, "__call__")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ class ObserveOptions:
         return ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any], where: str) -> ObserveOptions:
+    def from_kwargs(cls, kwargs: Mapping[str, Any], where: str) -> ObserveOptions:
         """Validated options; unknown keys or wrong types raise ``TypeError`` naming ``where``."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)

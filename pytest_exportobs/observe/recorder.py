@@ -59,7 +59,7 @@ def call_signature(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, tuple[in
     Calls of plain tensors (most calls) skip pytree: this runs on every observed call."""
     if all(type(t) is torch.Tensor for t in args) and all(type(t) is torch.Tensor for t in kwargs.values()):
         tensors = (*args, *kwargs.values())
-        structure = (len(args), tuple(kwargs), tuple((t.dtype, t.dim()) for t in tensors))
+        structure: tuple[Any, ...] = (len(args), tuple(kwargs), tuple((t.dtype, t.dim()) for t in tensors))
     else:
         leaves, spec = _pytree.tree_flatten((args, kwargs))
         tensors = tuple(t for t in leaves if isinstance(t, torch.Tensor))
@@ -311,28 +311,30 @@ class CallRecorder:
     def families(self) -> list[list[int]]:
         """The stored observations in families of one graph signature (see
         :func:`.structures.structure_families`), largest first."""
-        self._check_recorded()
+        signature = self._recorded_signature()
         with flattening_context():
-            return structure_families([(o.args, o.kwargs) for o in self.observations], self.signature)
+            return structure_families([(o.args, o.kwargs) for o in self.observations], signature)
 
     def aligned(self, mixed_constants: bool = False, calls: list[int] | None = None) -> AlignedCalls:
         """The stored observations (or those of index ``calls``) aligned on one input structure (see
         :mod:`.alignment`); ``mixed_constants`` records each call's constant arguments instead of
         raising when they differ."""
-        self._check_recorded()
+        signature = self._recorded_signature()
         chosen = list(range(len(self.observations))) if calls is None else list(calls)
         with flattening_context():
             aligned = align_calls(
-                [(self.observations[i].args, self.observations[i].kwargs) for i in chosen], self.signature,
+                [(self.observations[i].args, self.observations[i].kwargs) for i in chosen], signature,
                 self.value_if_missing, mixed_constants=mixed_constants,
             )
         aligned.kept = chosen
         return aligned
 
-    def _check_recorded(self) -> None:
+    def _recorded_signature(self) -> inspect.Signature:
+        """The signature of the recorded calls; raises when none was recorded."""
         if not self.observations or self.signature is None:
             reason = (
                 f"; {self.counts.failed} call(s) could not be recorded: {'; '.join(self.errors)}"
                 if self.counts.failed else ""
             )
             raise ValueError(f"no call was recorded: call the model inside `with observer(model):`{reason}")
+        return self.signature

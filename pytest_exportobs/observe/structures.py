@@ -27,7 +27,7 @@ def structure_families(calls: Sequence[Call], signature: inspect.Signature) -> l
     or a ``StaticCache`` beside a ``DynamicCache`` are another graph signature, never a reason to
     fail the model.  An argument a call lacks agrees with anything (it is stood in for).
     """
-    keys = [{} for _ in calls]
+    keys: list[dict[str, Any]] = [{} for _ in calls]
     for sv in bind_all(calls, signature):
         for key, value in zip(keys, sv.values):
             if not is_absent(value) and not isinstance(value, CONSTANT_TYPES):

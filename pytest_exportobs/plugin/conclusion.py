@@ -89,6 +89,7 @@ class Concluding:
 
     def _update_baseline(self, recorded: list[ModelResult]) -> None:
         path = self.options.baseline
+        assert path is not None  # _load_baseline rejects --export-baseline-update without a baseline
         update = update_baseline(path, recorded, self.results.keys(), self.options.baseline_prune)
         self.notes.append(_update_line(path, update))
 

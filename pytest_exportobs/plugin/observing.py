@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -150,7 +150,7 @@ class Observing:
         return {} if self._store is None else dict(self._store.renamed)
 
 
-def _options(kwargs: dict[str, Any], where: str) -> Any:
+def _options(kwargs: Mapping[str, Any], where: str) -> Any:
 
     try:
         return ObserveOptions.from_kwargs(kwargs, where)

@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -69,7 +69,7 @@ SETTINGS = (
     Setting("export_patches", "dotted paths to context-manager factories entered around export and "
             "verification, one per line", where="ini", kind="list", default=[]),
 )
-_INI_TYPES = {"string": "string", "flag": "bool", "list": "linelist"}
+_INI_TYPES: dict[str, Literal["string", "bool", "linelist"]] = {"string": "string", "flag": "bool", "list": "linelist"}
 
 
 def add_options(parser: pytest.Parser) -> None:

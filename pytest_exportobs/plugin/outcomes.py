@@ -7,7 +7,7 @@ not be set up.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -17,8 +17,11 @@ from ..engine.result import ModelResult
 from ..gate.judge import Gate, GateEntry
 
 PREFIX = "exportobs::"
+When = Literal["setup", "call", "teardown"]
+Outcome = Literal["passed", "failed", "skipped"]
+WHENS: tuple[When, ...] = ("setup", "call", "teardown")
 # gate outcome -> (pytest outcome, is an expected failure)
-OUTCOMES = {
+OUTCOMES: dict[str, tuple[Outcome, bool]] = {
     "passed": ("passed", False),
     "failed": ("failed", False),
     "xfailed": ("skipped", True),
@@ -34,7 +37,7 @@ def log_outcomes(config: pytest.Config, results: dict[str, ModelResult], gate: G
     verbose = config.get_verbosity() > 0
     for entry in gate.entries:
         result = results.get(entry.name)
-        _log(config, entry.name, [_report(entry, result, when, verbose) for when in ("setup", "call", "teardown")])
+        _log(config, entry.name, [_report(entry, result, when, verbose) for when in WHENS])
     for result in results.values():
         if result.kind == Kind.ENVIRONMENT:
             problem = (f"session problem at {result.stage}: {result.reason}\n"
@@ -55,13 +58,13 @@ def _location(nodeid: str) -> tuple[str, None, str]:
     return ("exportobs", None, nodeid)
 
 
-def _test_report(name: str, when: str, outcome: str, longrepr: Any = None, **fields: Any) -> pytest.TestReport:
+def _test_report(name: str, when: When, outcome: Outcome, longrepr: Any = None, **fields: Any) -> pytest.TestReport:
     nodeid = f"{PREFIX}{name}"
     return pytest.TestReport(nodeid=nodeid, location=_location(nodeid), keywords={"exportobs": 1},
                              outcome=outcome, longrepr=longrepr, when=when, **fields)
 
 
-def _report(entry: GateEntry, result: ModelResult | None, when: str, verbose: bool) -> pytest.TestReport:
+def _report(entry: GateEntry, result: ModelResult | None, when: When, verbose: bool) -> pytest.TestReport:
     outcome, expected = OUTCOMES[entry.outcome] if when == "call" else ("passed", False)
     longrepr: Any = None
     if when == "call" and outcome == "failed":

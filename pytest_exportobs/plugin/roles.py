@@ -109,11 +109,11 @@ class WorkerRole(Observing):
             groups = self.pool.claims(self._store, lambda nodeid: order.get(nodeid, len(order)))
         results = [result for batch in _batches(groups, self.options.jobs)
                    for result in _check(session, batch, self.options, progress=None)]
-        renamed = {self.config.workerinput["workerid"]: self.renamed()}
+        renamed = {self.config.workerinput["workerid"]: self.renamed()}  # type: ignore[attr-defined]  # set by xdist
         if self.pool is not None:
             notes += self.pool.notes
             renamed.update(self.pool.renames())
-        self.config.workeroutput[xdist.OUTPUT_KEY] = {
+        self.config.workeroutput[xdist.OUTPUT_KEY] = {  # type: ignore[attr-defined]  # set by xdist on workers
             "results": [r.to_json() for r in results], "notes": notes, "usage_error": self.usage_error,
             "renamed": renamed,
         }
@@ -163,9 +163,9 @@ class ControllerRole(Concluding):
         worker = xdist.worker_of(report) or ""
         for key, name in report.user_properties:
             if key == OBSERVED_PROPERTY:
-                self.reported.add((worker, name))
+                self.reported.add((worker, str(name)))  # a group name: user_properties' values are objects
             if key in (OBSERVED_PROPERTY, ANNOUNCED_PROPERTY):
-                self.announced.add((worker, name))
+                self.announced.add((worker, str(name)))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:

@@ -70,9 +70,10 @@ def configure_node(config: pytest.Config, node: Any, directory: Path) -> None:
 
 def write_placement(config: pytest.Config, items: Iterable[pytest.Item]) -> None:
     """Write the placement group of every marked test, when the controller asked for it."""
-    directory = config.workerinput.get(PLACEMENT_KEY)
+    workerinput = config.workerinput  # type: ignore[attr-defined]  # set by xdist on workers
+    directory = workerinput.get(PLACEMENT_KEY)
     if directory is not None:
-        write_atomic(Path(directory, f"{config.workerinput['workerid']}.json"), json_text(placement(items)))
+        write_atomic(Path(directory, f"{workerinput['workerid']}.json"), json_text(placement(items)))
 
 
 def placement(items: Iterable[pytest.Item]) -> dict[str, str]:

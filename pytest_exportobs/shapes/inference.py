@@ -10,6 +10,7 @@ in every call to the sum of others plus a constant is *derived*.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +82,7 @@ def _named_axes(aligned: AlignedCalls, keys: frozenset[str]) -> set[Axis]:
     return axes
 
 
-def forced_batch_axes(aligned: AlignedCalls, selector: bool | set[int | str] | None) -> set[Axis]:
+def forced_batch_axes(aligned: AlignedCalls, selector: bool | Collection[int | str] | None) -> set[Axis]:
     if not selector:
         return set()
     names = [s.name for s in aligned.slots]
@@ -104,7 +105,7 @@ def forced_batch_axes(aligned: AlignedCalls, selector: bool | set[int | str] | N
         if slot.name not in selected:
             continue
         for leaf in range(slot.start, slot.stop):
-            ranks = {len(s[leaf]) for s in shapes if s[leaf] is not None}
+            ranks = {len(shape) for shape in (s[leaf] for s in shapes) if shape is not None}
             if ranks and ranks.pop() > 0:
                 axes.add((leaf, 0))
     return axes
@@ -116,17 +117,17 @@ def _axis_sizes(aligned: AlignedCalls, empty: set[int]) -> Sizes:
     shapes = aligned.shapes()
     sizes: Sizes = {}
     for leaf in range(len(aligned.leaf_names)):
-        rank = next((len(s[leaf]) for s in shapes if s[leaf] is not None), 0)
+        rank = next((len(shape) for shape in (s[leaf] for s in shapes) if shape is not None), 0)
         for dim in range(rank):
             sizes[(leaf, dim)] = [
-                s[leaf][dim] if s[leaf] is not None
+                shape[dim] if shape is not None
                 else (0 if leaf in empty and aligned.missing_dims.get(leaf) == dim else None)
-                for s in shapes
+                for shape in (s[leaf] for s in shapes)
             ]
     return sizes
 
 
-def _present(aligned: AlignedCalls, axis: Axis, values: list[int | None]) -> list[int]:
+def _present(aligned: AlignedCalls, axis: Axis, values: list[int | None]) -> list[int | None]:
     """Sizes of an axis in the calls where its input was present (seed semantics)."""
     return [v for v, call in zip(values, aligned.calls) if call[axis[0]] is not None]
 
@@ -216,11 +217,7 @@ def derive_relations(variables: list[Variable]) -> list[Relation]:
 
 
 def _relation(variables: list[Variable], target: int, terms: tuple[int, ...]) -> Relation | None:
-    rows = [
-        (variables[target].values[c], [variables[t].values[c] for t in terms])
-        for c in range(len(variables[target].values))
-    ]
-    rows = [(v, ts) for v, ts in rows if v is not None and None not in ts]
+    rows = [(row[0], row[1:]) for row in _known_together(variables, (target, *terms))]
     constants = {v - sum(ts) for v, ts in rows}
     if len(constants) != 1:
         return None

@@ -39,7 +39,7 @@ class ShapeModel:
     def from_aligned(
         cls,
         aligned: AlignedCalls,
-        set_batch_dimension_for: bool | set[int | str] | None = None,
+        set_batch_dimension_for: bool | Collection[int | str] | None = None,
         dim_names: bool | dict[str, str] | None = None,
         policy: DimPolicy = AS_OBSERVED,
     ) -> ShapeModel:
@@ -173,7 +173,7 @@ class ShapeModel:
     def sizes_at(self, index: int) -> dict[str, int]:
         """The size of every variable in call ``index`` that is known or follows from a relation
         (a total length from the past and new lengths)."""
-        sizes = {v.name: v.values[index] for v in self.variables if v.values[index] is not None}
+        sizes = {v.name: value for v in self.variables if (value := v.values[index]) is not None}
         for relation in self.relations:
             if relation.derived not in sizes and all(t in sizes for t in relation.terms):
                 sizes[relation.derived] = relation.size(sizes)
@@ -250,7 +250,7 @@ def _without_absent_terms(relation: Relation, variables: dict[str, Variable]) ->
         return None
     reduced = dataclasses.replace(relation, terms=present)
     for index, size in enumerate(derived.values):
-        terms = {t: variables[t].values[index] for t in present}
-        if size is not None and None not in terms.values() and reduced.size(terms) != size:
+        terms = {t: value for t in present if (value := variables[t].values[index]) is not None}
+        if size is not None and len(terms) == len(present) and reduced.size(terms) != size:
             return None
     return reduced

@@ -96,10 +96,14 @@ def build_leaves(
     """Flat leaves of a new call where each variable has the given size."""
     template = shapes.call_leaves(shapes.aligned.complete_call())
     leaf_recipes = leaf_recipes or recipes(shapes)
-    return [
-        value if recipe.kind == "keep" else _fill(recipe, list(shape), sizes, generator)
-        for value, recipe, shape in zip(template, leaf_recipes, leaf_shapes(shapes, sizes))
-    ]
+    leaves: list[Any] = []
+    for value, recipe, shape in zip(template, leaf_recipes, leaf_shapes(shapes, sizes)):
+        if recipe.kind == "keep":
+            leaves.append(value)
+        else:
+            assert shape is not None, "a leaf to fill holds no tensor in the representative call"
+            leaves.append(_fill(recipe, list(shape), sizes, generator))
+    return leaves
 
 
 def ignore_padded_labels(shapes: ShapeModel, leaves: list[Any], leaf_recipes: list[Recipe]) -> list[Any] | None:
@@ -177,8 +181,8 @@ def _recipe(shapes: ShapeModel, leaf: int) -> Recipe:
     high = max(int(t.max()) for t in values)
     if dtype == torch.bool or (low >= 0 and high <= 1):
         return _mask_recipe(shapes.aligned.leaf_names[leaf], [t for _, t in tensors], dtype)
-    offsets = [_arange_offset(t) for _, t in tensors]
-    if all(o is not None for o in offsets):
+    offsets = [o for _, t in tensors if (o := _arange_offset(t)) is not None]
+    if len(offsets) == len(tensors):
         # Rows of length 1 (decode steps) are arange-like only when they follow a variable.
         var = _matching_variable(shapes, [i for i, _ in tensors], offsets)
         if var is not None or any(t.shape[-1] > 1 for _, t in tensors):
@@ -206,7 +210,7 @@ def _arange_offset(t: torch.Tensor) -> int | None:
     return int(start.flatten()[0])
 
 
-def _matching_variable(shapes: ShapeModel, calls: list[int], offsets: list[int | None]) -> str | None:
+def _matching_variable(shapes: ShapeModel, calls: list[int], offsets: list[int]) -> str | None:
     """The variable whose size equals the arange offset in every call, when offsets vary."""
     if len(set(offsets)) < 2:
         return None
