@@ -13,6 +13,7 @@ import torch
 from torch.utils import _pytree
 
 from pytest_exportobs import InputObserver, ShapeModel
+from pytest_exportobs.engine.eager import call_model
 from pytest_exportobs.engine.variations import Leaves, VariationOutcome, explore, size_ranges
 from pytest_exportobs.engine.verify import OnnxRunner, Tolerance
 from pytest_exportobs.shapes.dims import Relation
@@ -49,9 +50,11 @@ def observe(module: torch.nn.Module, *calls: tuple, dim_names: dict[str, str] | 
 
 
 def eager_of(module: torch.nn.Module) -> Callable[[Leaves], list[torch.Tensor]]:
+    """The engine's eager runner: what the module raises comes as ModelRaised."""
+
     def eager(leaves: Leaves) -> list[torch.Tensor]:
         with torch.no_grad():
-            return [module(*leaves)]
+            return [call_model(module, *leaves)]
 
     return eager
 
@@ -169,15 +172,26 @@ def test_database_replays_the_failure_first(mlp, tmp_path, monkeypatch):
 def test_eager_errors_make_invalid_examples_never_failures(mlp, tmp_path):
     model, shapes, runner = mlp
 
-    def picky(leaves: Leaves) -> list[torch.Tensor]:
-        if leaves[0].shape[1] > 6:
+    def picky(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 6:
             raise ValueError("sequence too long for this model")
-        return eager_of(model)(leaves)
+        return model(x)
 
-    outcome = run_explore(shapes, picky, runner, tmp_path, examples=12)
+    outcome = run_explore(shapes, eager_of(picky), runner, tmp_path, examples=12)
     assert outcome.invalid == sum(e["seq"] > 6 for e in outcome.examples) > 0
     assert outcome.failed == 0 and outcome.failing_sizes is None
     assert outcome.valid + outcome.invalid == outcome.tried
+
+
+def test_an_error_around_the_models_call_is_the_engines_and_is_raised(mlp, tmp_path):
+    model, shapes, runner = mlp
+
+    def broken_harness(leaves: Leaves) -> list[torch.Tensor]:
+        outputs = eager_of(model)(leaves)
+        return outputs[1:2] + [outputs[5]]  # an engine bug, not the model rejecting the sizes
+
+    with pytest.raises(IndexError):
+        run_explore(shapes, broken_harness, runner, tmp_path, examples=4)
 
 
 def test_exported_model_errors_fail_the_example(mlp, tmp_path):
@@ -254,7 +268,8 @@ def test_tiny_llama_variations(tmp_path):
 
         def eager(leaves: Leaves) -> list[Any]:
             args, kwargs = shapes.aligned.split_arguments(leaves)
-            return [t.detach() if hasattr(t, "detach") else None for t in _pytree.tree_leaves(model(*args, **kwargs))]
+            outputs = call_model(model, *args, **kwargs)
+            return [t.detach() if hasattr(t, "detach") else None for t in _pytree.tree_leaves(outputs)]
 
         def run(leaves: Leaves) -> Sequence[Any]:
             generated.append(dict(zip(shapes.aligned.leaf_names, leaves)))

@@ -23,6 +23,7 @@ from ..observe.recorder import Observation
 from ..observe.store import ModelGroup
 from ..shapes.model import ShapeModel
 from .cache import ExportCache
+from .eager import call_model
 from .environment import writing
 from .export import ExportOutcome, export_model
 from .graphs import GraphPlan
@@ -76,12 +77,12 @@ class ModelContext:
 
     def eager(self, shapes: ShapeModel, flat: bool = True) -> Runner:
         """Run the module's method on flat leaves of ``shapes``' calls; its outputs flat, or as
-        the module returns them."""
+        the module returns them.  What the model raises comes as :class:`ModelRaised`."""
         method = getattr(self.module, self.method)
 
         def run(leaves: list[Any]) -> Any:
             args, kwargs = shapes.aligned.split_arguments(leaves)
-            outputs = method(*args, **kwargs)
+            outputs = call_model(method, *args, **kwargs)
             return flat_outputs(outputs) if flat else outputs
 
         return run

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-from ..core.text import error_line
 from ..core.trees import detached_clone
 from ..core.vocabulary import DimSource
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import build_leaves, complete_sizes, export_sizes, free_variables
+from .eager import ModelRaised
 
 Eager = Callable[[list[Any]], Any]
 
@@ -86,7 +86,7 @@ class SizeProbe:
             for slot, leaves in returned.items():
                 step[slot.start : slot.stop] = leaves
             self.eager(step)
-        except Exception:  # the step past the bound fails: the model's own limit
+        except ModelRaised:  # the step past the bound fails: the model's own limit
             return None
         apart = sorted({f"{self.shapes.aligned.leaf_names[leaf]} holds {step[leaf].shape[dim]}"
                         for leaf, dim in var.axes if step[leaf].shape[dim] != after})
@@ -126,6 +126,6 @@ def _rejection(shapes: ShapeModel, eager: Eager, changed: dict[str, int]) -> str
     """Why eager fails on inputs at the export sizes but ``changed`` (``None``: it runs)."""
     try:
         eager(detached_clone(leaves_at(shapes, changed)))
-    except Exception as e:  # the model's own check of its input sizes
-        return error_line(e)
+    except ModelRaised as e:  # the model's own check of its input sizes
+        return str(e)
     return None

@@ -42,6 +42,7 @@ from ..shapes.synthesis import (
     leaf_shapes,
     recipes,
 )
+from .eager import ModelRaised
 from .verify import Discrepancy, OutputLayout, Tolerance, run_and_compare
 
 if TYPE_CHECKING:
@@ -175,8 +176,9 @@ class _Trials:
         if free not in self.examples and self.verdicts.count(None) >= MAX_INVALID:
             assume(False)  # eager keeps rejecting the sizes drawn: stop paying for eager runs
         if free not in self.examples:
+            verdict = self._verdict(free)  # an engine error leaves no half-recorded example
             self.examples.append(free)
-            self.verdicts.append(self._verdict(free))
+            self.verdicts.append(verdict)
         verdict = self.verdicts[self.examples.index(free)]
         assume(verdict is not None)
         assert verdict is not None  # assume() ended the example otherwise
@@ -203,7 +205,7 @@ class _Trials:
                 continue
             try:
                 expected = self.eager(detached_clone(leaves))
-            except Exception:  # eager rejects these sizes, or the ignore index: not the export's fault
+            except ModelRaised:  # eager rejects these sizes, or the ignore index: not the export's fault
                 continue
             if leaves is plain and ignoring is not None:
                 self.plain_labels.append(free)
