@@ -224,11 +224,13 @@ def interrupt_when(pytester: pytest.Pytester, line: str, *args: str) -> tuple[in
         process = pytester.popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  preexec_fn=_deliverable_sigint)
     output = []
-    for text in process.stdout:
-        output.append(text)
-        if line in text:
-            process.send_signal(signal.SIGINT)
-    return process.wait(120), "".join(output)
+    with process:  # closes the pipe
+        for text in process.stdout:
+            output.append(text)
+            if line in text:
+                process.send_signal(signal.SIGINT)
+        code = process.wait(120)
+    return code, "".join(output)
 
 
 @pytest.mark.parametrize("isolate", [[], ["--export-isolate"]], ids=["in-process", "isolated"])

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+
+from .torch_internals import FakeTensor
 
 _ONNX_ELEMENT_TYPES = {  # dtype name -> onnx.TensorProto data type
     "float32": 1,

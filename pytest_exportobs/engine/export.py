@@ -24,6 +24,13 @@ from typing import Any
 import torch
 
 from ..core.text import error_line
+from ..core.torch_internals import (
+    import_export_machinery,
+    onnx_registry,
+    prepare_for_onnx,
+    rename_onnx_axes,
+    to_onnx_program,
+)
 from ..core.trees import detached_clone, flat_outputs, spec_paths
 from ..core.vocabulary import Kind, Stage
 from ..shapes.model import ShapeModel
@@ -270,7 +277,7 @@ def _to_onnx(stages: Stages, program: Any, names: dict[str, str], path: Path, ou
     with stages.run(Stage.ONNX_TRANSLATE):
         onnx_program = _translate_decomposing(program, outcome.notes)
         if names:  # ONNXProgram.rename_axes does the same from torch 2.11 on
-            _ir_passes().rename_axis(onnx_program.model, names)
+            rename_onnx_axes(onnx_program.model, names)
         with writing(Stage.ONNX_TRANSLATE, f"the ONNX file {path}"):
             path.parent.mkdir(parents=True, exist_ok=True)
             onnx_program.save(str(path))
@@ -307,43 +314,24 @@ def _load_cached(cache: ExportCache, key: str, path: Path, shapes: ShapeModel, o
 def prepare(target: str) -> None:
     """Import what the first export imports and build the torchlib registry, once: checks forked
     from this process inherit them instead of each paying about 2 s for them."""
-    importlib.import_module("torch.export._trace")
+    import_export_machinery()
     if target == "onnx":
         importlib.import_module("onnxruntime")
-        _registry()
-
-
-# The two steps ``torch.onnx.export(exported_program)`` runs, called apart so that each is timed
-# and reported on its own, with one torchlib registry per process.
-@functools.cache
-def _registry() -> Any:
-    from torch.onnx._internal.exporter import _registration
-
-    return _registration.ONNXRegistry.from_torchlib()
-
-
-def _ir_passes() -> Any:
-    from torch.onnx._internal.exporter import _ir_passes
-
-    return _ir_passes
+        onnx_registry()
 
 
 def _decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """torch.onnx's preparation, then the nodes left without users removed: it drops the runtime
     asserts but not what only they read (transformers' ``torch_compilable_check`` of a tensor
     condition leaves ``_is_all_true``, which has no ONNX translation)."""
-    from torch.onnx._internal.exporter import _core
-
-    program = _core._prepare_exported_program_for_export(program, registry=_registry())
+    program = prepare_for_onnx(program)
     if program.graph_module.graph.eliminate_dead_code():
         program.graph_module.recompile()
     return program
 
 
 def _translate(program: torch.export.ExportedProgram) -> Any:
-    from torch.onnx._internal.exporter import _core
-
-    onnx_program = _core._exported_program_to_onnx_program(program, registry=_registry())
+    onnx_program = to_onnx_program(program)
     onnx_program.optimize()
     return onnx_program
 

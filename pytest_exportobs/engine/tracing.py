@@ -11,16 +11,15 @@ axis) is made static instead, with a note.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from ..core.text import error_line, first_line
+from ..core.torch_internals import DEFERRED_ASSERTS, ExportUserError, rnn_while_loops, size_oblivious
 from ..core.vocabulary import DimSource
 from ..shapes.model import ShapeModel
 from ..shapes.spec import spec_api, to_shapes_spec
@@ -30,7 +29,6 @@ from .watch import SpecializationWatch, watching
 
 MAX_ATTEMPTS = 4  # exports tried with refined dims before giving up on named dims
 SPEC_NOTE = "dims as a torch ShapesSpec"
-_DEFERRED_ASSERTS = "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(torch.export.export).parameters
 
 
 class Specialized(Exception):
@@ -107,7 +105,7 @@ def _export(
     for _ in range(MAX_ATTEMPTS):
         try:
             return _torch_export(module, example, named)
-        except torch._dynamo.exc.UserError as e:
+        except ExportUserError as e:
             if "Constraints violated" not in str(e):
                 raise
             rejection = e
@@ -150,7 +148,7 @@ def _unnamed_export(
 def _torch_export(module: torch.nn.Module, example: Example, dynamic_shapes: Any) -> torch.export.ExportedProgram:
     """torch.export as torch.onnx.export calls it: guards that can wait become runtime asserts
     (a GRU's ``seq != 1`` does not stop its sequence from being dynamic)."""
-    options: dict[str, Any] = {"prefer_deferred_runtime_asserts_over_guards": True} if _DEFERRED_ASSERTS else {}
+    options: dict[str, Any] = {"prefer_deferred_runtime_asserts_over_guards": True} if DEFERRED_ASSERTS else {}
     return torch.export.export(module, example.args, example.kwargs, dynamic_shapes=dynamic_shapes, **options)
 
 
@@ -159,33 +157,8 @@ def capturing() -> Iterator[None]:
     """What ``torch.onnx.export`` enters around torch.export: size-oblivious sizes (0 and 1 are
     not specialized) and, where this torch has them, the RNN decompositions into a while loop
     that keep a GRU's or an LSTM's sequence dynamic."""
-    with contextlib.ExitStack() as stack:
-        patch = torch.fx.experimental._config.patch  # type: ignore[attr-defined]  # installed at run time by torch
-        stack.enter_context(patch(backed_size_oblivious=True))
-        _patches: ModuleType | None
-        try:
-            from torch.export import _patches
-        except ImportError:  # torch < 2.10
-            _patches = None
-        for name in ("register_gru_while_loop_decomposition", "register_lstm_while_loop_decomposition"):
-            if hasattr(_patches, name):
-                stack.enter_context(getattr(_patches, name)())
-        stack.enter_context(_fresh_dispatch(torch.ops.aten.lstm.input, torch.ops.aten.gru.input))
+    with size_oblivious(), rnn_while_loops():
         yield
-
-
-@contextlib.contextmanager
-def _fresh_dispatch(*ops: Any) -> Iterator[None]:
-    """Clear the ops' dispatch caches on entry and exit: torch's RNN registrations replace the ops'
-    Python kernels without clearing them, so a second export in a process used the kernel the
-    first left cached (the second LSTM model's sequence specialized, whichever model came second)."""
-    for op in ops:
-        op._dispatch_cache.clear()
-    try:
-        yield
-    finally:
-        for op in ops:
-            op._dispatch_cache.clear()
 
 
 def _check_bound(shapes: ShapeModel, name: str, upper: int, probe: SizeProbe | None, location: str) -> None:

@@ -1,0 +1,95 @@
+"""Every private torch name the plugin relies on, in one place: a torch release that moves one
+breaks this module only, and its tests say which (``tests/test_torch_internals.py``).
+
+torch.onnx.export's two steps (torch.onnx._internal.exporter), called apart so that each is timed
+and reported on its own with one torchlib registry per process; what it enters around
+torch.export (size-oblivious sizes, the RNN while-loop decompositions); the error torch.export
+raises for rejected dims; fake tensors.  ``torch.utils._pytree`` is not here: it is the pytree
+API the ecosystem (torch.export's own docs, transformers, the peers) uses under that name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch._dynamo.exc import UserError as ExportUserError
+from torch._subclasses.fake_tensor import FakeTensor
+
+__all__ = [
+    "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "import_export_machinery", "onnx_registry",
+    "prepare_for_onnx", "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "to_onnx_program",
+]
+
+# torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
+DEFERRED_ASSERTS = "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(torch.export.export).parameters
+
+
+def import_export_machinery() -> None:
+    """Import what the first torch.export imports (about 2 s): forked checks inherit it."""
+    importlib.import_module("torch.export._trace")
+
+
+@functools.cache
+def onnx_registry() -> Any:
+    """torchlib's registry of ONNX translations, built once per process."""
+    from torch.onnx._internal.exporter import _registration
+
+    return _registration.ONNXRegistry.from_torchlib()
+
+
+def prepare_for_onnx(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """torch.onnx's first step: decompositions and preparation of the exported program."""
+    from torch.onnx._internal.exporter import _core
+
+    return _core._prepare_exported_program_for_export(program, registry=onnx_registry())
+
+
+def to_onnx_program(program: torch.export.ExportedProgram) -> Any:
+    """torch.onnx's second step: the prepared program translated to an ``ONNXProgram``."""
+    from torch.onnx._internal.exporter import _core
+
+    return _core._exported_program_to_onnx_program(program, registry=onnx_registry())
+
+
+def rename_onnx_axes(model: Any, names: dict[Any, str]) -> None:
+    """Rename the symbolic axes of an ONNX IR model (``ONNXProgram.rename_axes`` from torch 2.11)."""
+    from torch.onnx._internal.exporter import _ir_passes
+
+    _ir_passes.rename_axis(model, names)
+
+
+def size_oblivious() -> contextlib.AbstractContextManager[Any]:
+    """Sizes 0 and 1 not specialized while tracing (what torch.onnx.export sets)."""
+    return torch.fx.experimental._config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def rnn_while_loops() -> Iterator[None]:
+    """torch's decompositions of GRU and LSTM into a while loop, where this torch has them (they
+    keep the sequence dynamic), with the ops' dispatch caches cleared on entry and exit: the
+    registrations replace the ops' Python kernels without clearing them, so a second export in a
+    process used the kernel the first left cached."""
+    _patches: ModuleType | None
+    try:
+        from torch.export import _patches
+    except ImportError:  # torch < 2.10
+        _patches = None
+    ops = (torch.ops.aten.lstm.input, torch.ops.aten.gru.input)
+    with contextlib.ExitStack() as stack:
+        for name in ("register_gru_while_loop_decomposition", "register_lstm_while_loop_decomposition"):
+            if hasattr(_patches, name):
+                stack.enter_context(getattr(_patches, name)())
+        for op in ops:
+            op._dispatch_cache.clear()
+        try:
+            yield
+        finally:
+            for op in ops:
+                op._dispatch_cache.clear()

@@ -1,0 +1,76 @@
+"""The private torch names of core/torch_internals.py, run against the installed torch: a release
+that moves or changes one fails here, by name, before it fails a model's check somewhere else."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+from pytest_exportobs.core.torch_internals import (
+    DEFERRED_ASSERTS,
+    ExportUserError,
+    FakeTensor,
+    import_export_machinery,
+    onnx_registry,
+    prepare_for_onnx,
+    rename_onnx_axes,
+    rnn_while_loops,
+    size_oblivious,
+    to_onnx_program,
+)
+from pytest_exportobs.engine.tracing import suggested_fixes
+
+
+class Doubling(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) * 2
+
+
+def test_the_exporters_two_steps_and_axis_renaming_make_a_valid_onnx_model() -> None:
+    import_export_machinery()
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(Doubling(), (torch.randn(3, 4),), dynamic_shapes=({0: batch},))
+    onnx_program = to_onnx_program(prepare_for_onnx(program))
+    symbol = str(onnx_program.model.graph.inputs[0].shape[0])  # torch's symbol (s77)
+    rename_onnx_axes(onnx_program.model, {symbol: "batch_size"})
+    proto = onnx_program.model_proto
+    onnx.checker.check_model(proto)
+    (graph_input,) = proto.graph.input
+    assert [d.dim_param or d.dim_value for d in graph_input.type.tensor_type.shape.dim] == ["batch_size", 4]
+    assert onnx_registry() is onnx_registry()  # built once per process
+
+
+def test_size_oblivious_keeps_a_size_of_one_dynamic() -> None:
+    batch = torch.export.Dim("batch")
+    with size_oblivious():
+        program = torch.export.export(Doubling(), (torch.randn(1, 4),), dynamic_shapes=({0: batch},))
+    (placeholder,) = [n for n in program.graph.nodes if n.op == "placeholder"]
+    assert not isinstance(placeholder.meta["val"].shape[0], int)
+
+
+def test_an_lstm_exported_in_the_rnn_context_keeps_its_sequence_dynamic() -> None:
+    lstm = torch.nn.LSTM(4, 3, batch_first=True).eval()
+    seq = torch.export.Dim("seq")
+    with rnn_while_loops(), size_oblivious():
+        program = torch.export.export(lstm, (torch.randn(2, 5, 4),), dynamic_shapes=({1: seq},),
+                                      prefer_deferred_runtime_asserts_over_guards=DEFERRED_ASSERTS)
+    got = program.module()(torch.randn(2, 7, 4))[0]
+    assert got.shape == (2, 7, 3)
+
+
+def test_rejected_dims_raise_the_user_error_whose_suggested_fixes_are_parsed() -> None:
+    class FixedBatch(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(3, -1)
+
+    with pytest.raises(ExportUserError, match="Constraints violated") as info:
+        torch.export.export(FixedBatch(), (torch.randn(3, 4),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    assert suggested_fixes(info.value.msg) == [("batch", "3")]
+
+
+def test_fake_tensors_are_the_class_torch_traces_with() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert isinstance(torch.empty(2, 3), FakeTensor)
