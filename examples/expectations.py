@@ -1,6 +1,6 @@
 """What an expert's hand-written export says of each model of this project, decided without the
 plugin, and the deployment inputs (sizes the tests never used) each passing model must serve.
-The plugin's own test suite (tests/test_examples.py) checks both; this file is not a test.
+The plugin's own test suite (tests/examples/test_examples.py) checks both; this file is not a test.
 
 ``HELD_OUT[name](model)`` returns keyword calls holding every input a deployment may feed (a
 mask, positions, cache positions); each must run on one of the model's ONNX graphs (the one

@@ -1,5 +1,5 @@
 """Every private torch name the plugin relies on, in one place: a torch release that moves one
-breaks this module only, and its tests say which (``tests/test_torch_internals.py``).
+breaks this module only, and its tests say which (``tests/unit/test_torch_internals.py``).
 
 torch.onnx.export's two steps (torch.onnx._internal.exporter), called apart so that each is timed
 and reported on its own with one torchlib registry per process; what it enters around

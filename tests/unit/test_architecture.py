@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).parents[1] / "pytest_exportobs"
+PACKAGE = Path(__file__).parents[2] / "pytest_exportobs"
 # Bottom to top; a module may import from its own layer and the layers before it.
 LAYERS = ("core", "observe", "shapes", "engine", "gate", "plugin", "api")
 MAX_MODULE_LINES = 400

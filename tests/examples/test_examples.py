@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils import _pytree
 
-EXAMPLES = Path(__file__).parents[1] / "examples"
+EXAMPLES = Path(__file__).parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 expectations = importlib.import_module("expectations")
 sys.path.remove(str(EXAMPLES))
