@@ -14,6 +14,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import re
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -24,11 +25,19 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = [
     "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "import_export_machinery", "onnx_registry",
-    "prepare_for_onnx", "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "to_onnx_program",
+    "prepare_for_onnx", "raising_call", "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "to_onnx_program",
 ]
 
 # torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
 DEFERRED_ASSERTS = "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(torch.export.export).parameters
+
+
+def raising_call(message: str) -> tuple[str, int, str] | None:
+    """``(file, line, code)`` of the call torch.export's error quotes as the one that raised
+    ("The following call raised this error:" and a traceback line), the model's own line for a
+    data-dependent guard; ``None`` when the message quotes none."""
+    found = re.search(r'The following call raised this error:\n\s*File "([^"]+)", line (\d+)[^\n]*\n([^\n]*)', message)
+    return (found[1], int(found[2]), found[3].strip()) if found else None
 
 
 def import_export_machinery() -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..core.torch_internals import raising_call
+
 _NOT_USER_DIRS = (
     *(str(Path(inspect.getfile(m)).parent) for m in (torch, logging)), str(Path(__file__).parents[1]), "<"
 )
@@ -36,9 +38,14 @@ def user_location() -> str:
 
 
 def user_frame(error: BaseException) -> str:
-    """The innermost user frame of ``error``'s traceback and its cause's, else the last user
-    ``File "...", line N`` its message quotes (torch quotes the frame that raised); ``""`` if none."""
-    frames: list[traceback.FrameSummary] = traceback.extract_tb(error.__traceback__)
+    """The model's or the user's line behind ``error``: the call torch.export says raised (the
+    model's code, in an installed package too), else the innermost user frame of ``error``'s
+    traceback and its cause's, else the last user ``File "...", line N`` its message quotes;
+    ``""`` if none."""
+    raising = raising_call(str(error))
+    if raising is not None and not raising[0].startswith(_NOT_USER_DIRS):
+        return _location(*raising)
+    frames = traceback.extract_tb(error.__traceback__)
     for cause in (error.__cause__, error.__context__):
         if cause is not None:
             frames = frames + traceback.extract_tb(cause.__traceback__)

@@ -341,7 +341,7 @@ def test_a_dim_torch_turns_into_a_constant_fails_as_specialized_with_the_line(tm
     assert (result.verdict, result.stage, result.kind) == ("failed", "torch.export", "specialized")
     assert result.reason.startswith("batch (x.0, a deployment varies it) ")
     assert result.reason.endswith(
-        f"by torch.export at tests/test_check.py:{line}: "
+        f"by torch.export at tests/unit/test_check.py:{line}: "
         "if x.shape[0] == 3:  # fine in eager for any batch, pins it in a graph")
 
 
@@ -697,7 +697,7 @@ def test_a_bound_below_a_size_eager_runs_fails_as_specialized(tmp_path: Path) ->
     line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "if x.shape[1] > 8" in text)
     assert result.reason == (
         "x_dim1 (x.1, the tests vary it) bounded to at most 8 (eager runs x_dim1=9) by torch.export"
-        f" at tests/test_check.py:{line}: if x.shape[1] > 8:")
+        f" at tests/unit/test_check.py:{line}: if x.shape[1] > 8:")
 
 
 def test_a_sliding_window_the_tests_never_fill_fails_with_the_bound_and_the_step_past_it(tmp_path: Path) -> None:

@@ -3,6 +3,10 @@ that moves or changes one fails here, by name, before it fails a model's check s
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+from pathlib import Path
+
 import onnx
 import pytest
 import torch
@@ -14,11 +18,14 @@ from pytest_exportobs.core.torch_internals import (
     import_export_machinery,
     onnx_registry,
     prepare_for_onnx,
+    raising_call,
     rename_onnx_axes,
     rnn_while_loops,
     size_oblivious,
     to_onnx_program,
 )
+from pytest_exportobs.core.vocabulary import Stage
+from pytest_exportobs.engine.reasons import one_line_reason
 from pytest_exportobs.engine.tracing import suggested_fixes
 
 
@@ -74,3 +81,32 @@ def test_fake_tensors_are_the_class_torch_traces_with() -> None:
 
     with FakeTensorMode():
         assert isinstance(torch.empty(2, 3), FakeTensor)
+
+
+class ValueCheck(torch.nn.Module):
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.max() >= 5:
+            raise ValueError("labels out of range")
+        return x * 2
+
+
+def test_the_call_torch_says_raised_is_read_from_its_message() -> None:
+    with pytest.raises(Exception, match="Could not guard on data-dependent expression") as info:
+        torch.export.export(ValueCheck(), (torch.randn(2, 3), torch.tensor([1, 2])))
+    file, line, code = raising_call(str(info.value))
+    assert (Path(file).name, code) == ("test_torch_internals.py", "if labels.max() >= 5:")
+    assert Path(file).read_text().splitlines()[line - 1].strip() == code
+
+
+def test_a_failure_in_a_models_installed_package_names_the_models_line(tmp_path: Path) -> None:
+    installed = tmp_path / "site-packages" / "vendor_models.py"  # as transformers' modeling files are
+    installed.parent.mkdir()
+    installed.write_text(inspect.getsource(ValueCheck).replace("ValueCheck", "VendorModel"))
+    spec = importlib.util.spec_from_file_location("vendor_models", installed)
+    module = importlib.util.module_from_spec(spec)
+    module.torch = torch
+    spec.loader.exec_module(module)
+    with pytest.raises(Exception) as info:
+        torch.export.export(module.VendorModel(), (torch.randn(2, 3), torch.tensor([1, 2])))
+    reason = one_line_reason(Stage.TORCH_EXPORT, info.value)
+    assert reason.endswith("vendor_models.py:3: if labels.max() >= 5:)"), reason
