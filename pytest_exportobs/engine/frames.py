@@ -45,7 +45,7 @@ def user_frame(error: BaseException) -> str:
     raising = raising_call(str(error))
     if raising is not None and not raising[0].startswith(_NOT_USER_DIRS):
         return _location(*raising)
-    frames = traceback.extract_tb(error.__traceback__)
+    frames: list[traceback.FrameSummary] = list(traceback.extract_tb(error.__traceback__))
     for cause in (error.__cause__, error.__context__):
         if cause is not None:
             frames = frames + traceback.extract_tb(cause.__traceback__)
