@@ -159,14 +159,17 @@ def _group(
 
 
 def _same_variable(group: list[Axis], axis: Axis, sizes: Sizes, roles: dict[Axis, Role], forced: set[Axis]) -> bool:
+    """Equal wherever both are known, and: of one role (alternative inputs never passed together,
+    ``input_ids`` and ``inputs_embeds``, share their role's variable), or varying together, or
+    both forced."""
     common = [(x, y) for x, y in zip(_merged(sizes, group), sizes[axis]) if x is not None and y is not None]
-    if not common or any(x != y for x, y in common):
+    if any(x != y for x, y in common):
         return False
     group_role = next((roles[a].name for a in group if a in roles), None)
     role = roles[axis].name if axis in roles else None
     if group_role and role:
         return group_role == role
-    return len({x for x, _ in common}) > 1 or (axis in forced and all(a in forced for a in group))
+    return len({x for x, _ in common}) > 1 or (bool(common) and axis in forced and all(a in forced for a in group))
 
 
 def _is_partial(aligned: AlignedCalls, axis: Axis) -> bool:
