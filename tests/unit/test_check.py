@@ -439,6 +439,41 @@ def test_a_kernel_onnxruntime_lacks_skips_the_model_naming_op_and_dtype(tmp_path
     assert Path(result.onnx_path).is_file()
 
 
+class HugeConv(torch.nn.Module):
+    """A projection and a grouped convolution over time whose weights reach 1e11."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.conv = torch.nn.Conv1d(16, 16, 16, padding=8, groups=2)
+        with torch.no_grad():
+            self.conv.weight.mul_(1e11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.proj(x).transpose(1, 2)).transpose(1, 2)
+
+
+def test_differences_are_rounding_below_the_scale_of_their_output() -> None:
+    reference = torch.tensor([[1.3e11, -2.1e11, 4.0e3, 7.5e10]])  # 4e3: terms of 1e11 that cancelled
+    rounded = reference + torch.tensor([[1.0e4, -2.0e4, 2.5e5, 0.0]])  # another summation order
+    assert compare([rounded], [reference], Tolerance()).ok
+    wrong = reference + torch.tensor([[0.0, 0.0, 3.0e6, 0.0]])  # beyond a tenth of rtol * 2.1e11
+    found = compare([wrong], [reference], Tolerance())
+    assert (found.ok, found.n_beyond) == (False, 1)
+    ordinary = torch.tensor([[0.5, -3.0, 9.0, 0.01]])  # below 10 the scale floor is under atol
+    found = compare([ordinary + torch.tensor([[0.0, 0.0, 0.0, 2e-4]])], [ordinary], Tolerance())
+    assert (found.ok, found.n_beyond) == (False, 1)
+    assert not compare([rounded], [reference], Tolerance(atol=0.0, rtol=0.0)).ok
+
+
+def test_a_model_of_huge_weights_passes_where_its_outputs_cancel(tmp_path: Path) -> None:
+    model = HugeConv().eval()  # weights of 1e11, as uninitialized memory holds
+    group = observed(model, (torch.randn(3, 35, 16),), (torch.randn(5, 20, 16),))
+    result = check_model(group, settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert result.max_abs > 1e3  # the rounding of terms of 1e11, within tolerance
+
+
 def test_rows_of_padded_queries_are_compared_as_attention_reads_them() -> None:
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # left padding
     reference = torch.randn(2, 5, 8)
