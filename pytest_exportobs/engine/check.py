@@ -12,7 +12,7 @@ import contextlib
 import time
 import traceback
 import warnings
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -35,7 +35,7 @@ from .environment import EnvironmentProblem
 from .graph import GraphCheck, ModelContext
 from .graphs import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
 from .references import ReferenceFailed, references
-from .result import GraphResult, ModelResult
+from .result import ModelResult
 from .settings import CheckSettings
 from .verify import Tolerance
 
@@ -124,10 +124,12 @@ class _ModelCheck:
                     shown = ", ".join(sorted(joint.aligned.present_slots(left[0])))
                     unverified.append(f"calls {[family[i] for i in left]} (they pass {shown})")
         if len(families) > 1:
-            self.result.notes.append(
+            self.result.model_notes.append(
                 f"{len(families)} input structures (ranks, dtypes or cache classes differ), "
                 f"each with its own graphs: calls {' | '.join(_spans(f) for f in families)}")
-        _summarize(self.result, [g.result for g in graphs], unverified)
+        left_over = (f"{'; '.join(unverified)} run on no exported graph "
+                     f"(at most {MAX_GRAPHS} graphs per input structure)") if unverified else ""
+        self.result.conclude([g.result for g in graphs], left_over)
         if self.result.verdict == Verdict.PASSED:
             self.result.output = ""
 
@@ -155,12 +157,12 @@ class _ModelCheck:
             raise ModelProblem(Stage.INFER, Kind.UNSUPPORTED_INPUT, str(e)) from e
         except (TypeError, ValueError) as e:  # calls that disagree, bad marker options
             raise ModelProblem(Stage.INFER, Kind.ERROR, str(e)) from e
-        self.result.timings["infer"] = self.result.timings.get("infer", 0.0) + time.perf_counter() - begin
-        if not self.result.dims:  # the largest family's, until a graph reads them back
+        timings = self.result.model_timings
+        timings["infer"] = timings.get("infer", 0.0) + time.perf_counter() - begin
+        if not self.result.inferred:  # the largest family's
             summary = joint.to_json()
-            self.result.dims, self.result.relations, self.result.bounds = (
-                summary["dims"], summary["relations"], summary["bounds"])
-        self.result.notes.extend(n for n in joint.notes if n not in self.result.notes)
+            self.result.inferred = {k: summary[k] for k in ("dims", "relations", "bounds")}
+        self.result.model_notes.extend(n for n in joint.notes if n not in self.result.model_notes)
         return joint
 
     def _references(self, observations: list[Any]) -> Any:
@@ -239,42 +241,6 @@ def _serves(check: GraphCheck, joint: ShapeModel, plan: GraphPlan) -> bool:
     if not all(can_serve(joint.aligned, check.plan.slots, i) for i in plan.calls):
         return False
     return check.serves(joint.project([*check.plan.calls, *plan.calls], check.plan.slots, strict=False), plan.calls)
-
-
-def _summarize(result: ModelResult, graphs: list[GraphResult], unverified: list[str]) -> None:
-    """The model's result from its graphs: the first graph's dims and files, the first failure."""
-    result.graphs = graphs
-    first, several = graphs[0], len(graphs) > 1
-    result.dims, result.relations, result.bounds = first.dims, first.relations, first.bounds
-    result.onnx_path, result.cache_hit = first.onnx_path, first.cache_hit
-    result.opset, result.op_counts = first.opset, first.op_counts
-    result.dim_sources = {name: source for g in graphs for name, source in g.dim_sources.items()}
-    result.max_abs = max((g.max_abs for g in graphs if g.max_abs is not None), default=None)
-    result.max_rel = max((g.max_rel for g in graphs if g.max_rel is not None), default=None)
-    result.discrepancies = [d for g in graphs for d in g.discrepancies]
-    explored = [g.variations for g in graphs if g.variations]
-    if explored:
-        result.variations = {k: sum(v[k] for v in explored) for k in ("tried", "valid", "invalid", "failed")}
-    timings: Counter[str] = Counter()
-    for g in graphs:
-        timings.update(g.timings)
-        result.notes.extend(f"[{g.name}] {note}" if several and g.name else note for note in g.notes)
-    result.timings.update(timings)
-    failing = next((g for g in graphs if not g.passed and g.verdict != Verdict.SKIPPED), None)
-    skipped = next((g for g in graphs if g.verdict == Verdict.SKIPPED), None)
-    if failing is None and not unverified and skipped is not None:  # exported, but not run here
-        failing = skipped
-        result.verdict = Verdict.SKIPPED
-    if failing is not None:
-        result.stage, result.kind = failing.stage, failing.kind
-        result.traceback, result.repro_path = failing.traceback, failing.repro_path
-        result.reason = f"[{failing.name}] {failing.reason}" if several and failing.name else failing.reason
-    elif unverified:
-        result.stage, result.kind = Stage.VERIFY, Kind.UNVERIFIED
-        result.reason = (f"{'; '.join(unverified)} run on no exported graph "
-                         f"(at most {MAX_GRAPHS} graphs per input structure)")
-    else:
-        result.verdict, result.stage = Verdict.PASSED, graphs[-1].stage
 
 
 def _name_structure(checks: list[GraphCheck], difference: str) -> None:

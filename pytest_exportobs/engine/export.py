@@ -41,6 +41,7 @@ from .domain import Shape, apply_refinements, deferred_asserts, onnx_shapes, pro
 from .environment import EnvironmentProblem, writing
 from .probe import SizeProbe, leaves_at
 from .reasons import one_line_reason
+from .result import ExportFiles
 from .tracing import Example, Specialized, trace
 from .verify import Tolerance, compare
 
@@ -49,8 +50,9 @@ _ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten._assert_async.
 MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
 
 @dataclass
-class ExportOutcome:
-    """Result of the export stages; ``stage`` is the failing stage, or the last one done.
+class ExportOutcome(ExportFiles):
+    """Result of the export stages, with the files they wrote; ``stage`` is the failing stage,
+    or the last one done.
 
     ``kind`` of a failure: ``error`` (an exception) or ``specialized`` (a dynamic dim became a
     constant).  ``dims`` are read back from the file written (the program with target torch).
@@ -65,17 +67,11 @@ class ExportOutcome:
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     program: Any = None
-    onnx_path: str = ""
-    cache_hit: bool = False
-    opset: int | None = None
-    op_counts: dict[str, int] = field(default_factory=dict)
     bound: bool = False  # the exported module is a BoundConstants: its inputs are tensors only
     example: Example | None = None
     dims: dict[str, dict[str, str]] = field(default_factory=dict)
     refinements: list[list[Any]] = field(default_factory=list)  # what torch proved (engine.domain)
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
-    dims_form: str = ""  # how torch was given the dims: ShapesSpec (torch >= 2.14) or Dim
-    program_path: str = ""  # the ExportedProgram saved (target torch)
 
 
 class StageFailed(Exception):

@@ -151,9 +151,8 @@ class GraphCheck:
         result.relations, result.bounds = summary["relations"], summary["bounds"]
         result.dim_sources = {v.name: v.source for v in self.shapes.variables if v.axes}
         result.dims = outcome.dims if outcome.ok else summary["dims"]
-        result.stage, result.cache_hit, result.onnx_path = outcome.stage, outcome.cache_hit, outcome.onnx_path
-        result.program_path, result.dims_form = outcome.program_path, outcome.dims_form
-        result.opset, result.op_counts = outcome.opset, outcome.op_counts
+        result.stage = outcome.stage
+        result.hold_files(outcome)
         if outcome.example is not None:
             result.inputs = [self.shapes.aligned.leaf_names[leaf] for leaf in outcome.example.inputs]
         if not outcome.ok:

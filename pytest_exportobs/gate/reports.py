@@ -24,6 +24,7 @@ _RESULT_CHECKS: Checks = {
     "env": (dict_of(is_a(str)), "an object of strings"),
     "reason": (is_a(str), "a string"),
     "expected_failure": (is_a(str), "a string"),
+    "graphs": (list_of(is_a(dict)), "a list of objects"),
 }
 
 
@@ -41,7 +42,8 @@ class Report:
         results = []
         for index, item in enumerate(data["models"]):
             require(item.get("name"), is_a(str), f"models[{index}].name", "a string")
-            results.append(ModelResult(name=item["name"], **validated_model(item["name"], item, _RESULT_CHECKS)))
+            validated_model(item["name"], item, _RESULT_CHECKS)
+            results.append(ModelResult.from_json(item))
         return cls(results)
 
     @classmethod

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from pytest_exportobs.core.files import json_text
-from pytest_exportobs.engine.result import ModelResult
+from pytest_exportobs.engine.result import GraphResult, ModelResult
 from pytest_exportobs.gate.baseline import Baseline
 from pytest_exportobs.gate.judge import Change, GateEntry, changed_versions, gate, state
 
@@ -18,8 +18,10 @@ def recorded(*results: ModelResult, env: dict[str, str] = OLD_ENV) -> Baseline:
     return Baseline(Baseline.from_results(results).models, dict(env))
 
 
-def now(name: str, verdict: str = "passed", env: dict[str, str] | None = None, **fields) -> ModelResult:
-    return ModelResult(name, verdict, env=dict(OLD_ENV if env is None else env), **fields)
+def now(name: str, verdict: str = "passed", env: dict[str, str] | None = None, dims: dict | None = None,
+        **fields) -> ModelResult:
+    graphs = [] if dims is None else [GraphResult("", dims=dims)]
+    return ModelResult(name, verdict, env=dict(OLD_ENV if env is None else env), graphs=graphs, **fields)
 
 
 def test_regression_names_the_package_that_changed():
@@ -44,7 +46,7 @@ def test_several_changed_packages_are_listed_by_name():
 
 def test_dims_that_became_static_name_the_versions_once():
     env = {**OLD_ENV, "torch": "2.15.0"}
-    g = gate(recorded(ModelResult("lm", "passed", dims=X)), [now("lm", env=env, dims={})])
+    g = gate(recorded(ModelResult("lm", "passed", graphs=[GraphResult("", dims=X)])), [now("lm", env=env, dims={})])
     assert g.entries[0].message.split("; ") == [
         "dim x.0 (batch) became static (dynamic with torch 2.13.0, static with torch 2.15.0)",
         "dim x.1 (seq) became static",
@@ -53,7 +55,8 @@ def test_dims_that_became_static_name_the_versions_once():
 
 def test_a_failure_and_lost_dims_name_the_versions_on_the_failure():
     env = {**OLD_ENV, "torch": "2.15.0"}
-    g = gate(recorded(ModelResult("lm", "passed", dims=X)), [now("lm", "failed", env, stage="verify", dims={})])
+    g = gate(recorded(ModelResult("lm", "passed", graphs=[GraphResult("", dims=X)])),
+             [now("lm", "failed", env, stage="verify", dims={})])
     assert g.entries[0].message.split("; ") == [
         "passed→failed at verify (passed with torch 2.13.0, fails with torch 2.15.0)",
         "dim x.0 (batch) became static",
@@ -85,8 +88,8 @@ def test_a_result_without_versions_is_attributed_with_the_session_s_versions():
 def test_changes_list_every_model_whose_state_differs():
     old = recorded(
         ModelResult("gone", "passed"),
-        ModelResult("lm", "passed", dims=X),
-        ModelResult("same", "failed", stage="torch.export", dims=X),
+        ModelResult("lm", "passed", graphs=[GraphResult("", dims=X)]),
+        ModelResult("same", "failed", stage="torch.export", graphs=[GraphResult("", dims=X)]),
         ModelResult("vit", "failed", stage="infer"),
         ModelResult("moved", "failed", stage="torch.export"),
     )
@@ -110,7 +113,8 @@ def test_changes_list_every_model_whose_state_differs():
 def test_the_order_of_dims_is_no_change():
     """A baseline file sorts its keys; a session keeps the inputs in signature order."""
     session = {"input_ids": {"1": "seq", "0": "batch"}, "attention_mask": {"0": "batch", "10": "k", "2": "t"}}
-    written = json.loads(json_text(recorded(ModelResult("lm", "passed", dims=session)).to_json()))
+    exported = ModelResult("lm", "passed", graphs=[GraphResult("", dims=session)])
+    written = json.loads(json_text(recorded(exported).to_json()))
     assert list(written["models"]["lm"]["dims"]) == ["attention_mask", "input_ids"]
     g = gate(Baseline.from_json(written), [now("lm", dims=session)])
     assert g.changes == []

@@ -8,17 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from pytest_exportobs.engine.result import ModelResult
+from pytest_exportobs.engine.result import GraphResult, ModelResult
 from pytest_exportobs.gate.baseline import Baseline, BaselineEntry, BaselineError
 from pytest_exportobs.gate.judge import GateEntry, gate
 
 HINT = "run with --export-baseline-update to record it"
 LM_DIMS = {"input_ids": {"0": "batch", "1": "seq"}}
 VIT_DIMS = {"pixel_values": {"0": "batch", "2": "height", "3": "width"}}
+GRAPH_FIELDS = ("dims", "relations", "max_abs", "opset", "op_counts")
 
 
 def result(name: str, verdict: str = "passed", **fields) -> ModelResult:
-    return ModelResult(name, verdict, **fields)
+    """A model's result; the fields in ``GRAPH_FIELDS`` are its one graph's."""
+    graph = {key: fields.pop(key) for key in GRAPH_FIELDS if key in fields}
+    return ModelResult(name, verdict, graphs=[GraphResult("", **graph)] if graph else [], **fields)
 
 
 def baseline(*results: ModelResult) -> Baseline:

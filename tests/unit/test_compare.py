@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_exportobs.engine.result import ModelResult
+from pytest_exportobs.engine.result import GraphResult, ModelResult
 from pytest_exportobs.gate.compare import main
 from pytest_exportobs.gate.reports import write_reports
 
@@ -29,16 +29,16 @@ def upgrade(tmp_path: Path) -> tuple[str, str]:
     """Reports before and after a torch upgrade that breaks ``mlp`` and fixes ``vit``."""
     old = report(
         tmp_path / "old.json", OLD_ENV,
-        ModelResult("lm", "passed", stage="variations", dims=LM_DIMS),
-        ModelResult("mlp", "passed", stage="variations", dims={"x": {"0": "batch"}}),
-        ModelResult("vit", "failed", stage="torch.export", dims={}),
+        ModelResult("lm", "passed", stage="variations", graphs=[GraphResult("", dims=LM_DIMS)]),
+        ModelResult("mlp", "passed", stage="variations", graphs=[GraphResult("", dims={"x": {"0": "batch"}})]),
+        ModelResult("vit", "failed", stage="torch.export", graphs=[GraphResult("", dims={})]),
     )
     new = report(
         tmp_path / "new.json", NEW_ENV,
         ModelResult("extra", "failed", stage="infer"),
-        ModelResult("lm", "passed", stage="variations", dims=LM_DIMS),
-        ModelResult("mlp", "failed", stage="torch.export", dims={"x": {"0": "batch"}}),
-        ModelResult("vit", "passed", stage="variations", dims={"pixels": {"0": "batch"}}),
+        ModelResult("lm", "passed", stage="variations", graphs=[GraphResult("", dims=LM_DIMS)]),
+        ModelResult("mlp", "failed", stage="torch.export", graphs=[GraphResult("", dims={"x": {"0": "batch"}})]),
+        ModelResult("vit", "passed", stage="variations", graphs=[GraphResult("", dims={"pixels": {"0": "batch"}})]),
     )
     return old, new
 
@@ -82,8 +82,8 @@ Versions changed: torch 2.13.0 → 2.15.0
 
 
 def test_no_regression_exits_zero(tmp_path, capsys):
-    old = report(tmp_path / "old.json", OLD_ENV, ModelResult("lm", "passed", dims=LM_DIMS))
-    new = report(tmp_path / "new.json", OLD_ENV, ModelResult("lm", "passed", dims=LM_DIMS))
+    old = report(tmp_path / "old.json", OLD_ENV, ModelResult("lm", "passed", graphs=[GraphResult("", dims=LM_DIMS)]))
+    new = report(tmp_path / "new.json", OLD_ENV, ModelResult("lm", "passed", graphs=[GraphResult("", dims=LM_DIMS)]))
     assert main([old, new]) == 0
     assert capsys.readouterr().out == """\
 versions changed: none
@@ -93,8 +93,9 @@ exportobs compare: 1 model, 0 changed, no regression
 
 
 def test_a_dim_that_became_static_is_a_regression(tmp_path, capsys):
-    old = report(tmp_path / "old.json", OLD_ENV, ModelResult("lm", "passed", dims=LM_DIMS))
-    new = report(tmp_path / "new.json", NEW_ENV, ModelResult("lm", "passed", dims={"input_ids": {"0": "batch"}}))
+    old = report(tmp_path / "old.json", OLD_ENV, ModelResult("lm", "passed", graphs=[GraphResult("", dims=LM_DIMS)]))
+    new = report(tmp_path / "new.json", NEW_ENV,
+                 ModelResult("lm", "passed", graphs=[GraphResult("", dims={"input_ids": {"0": "batch"}})]))
     assert main([old, new]) == 1
     assert capsys.readouterr().out.splitlines()[-1] == (
         "exportobs compare: 1 model, 1 changed, 1 regression "

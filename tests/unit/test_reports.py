@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pytest_exportobs.engine.result import ModelResult
+from pytest_exportobs.engine.result import GraphResult, ModelResult
 from pytest_exportobs.gate.baseline import Baseline
 from pytest_exportobs.gate.judge import gate
 from pytest_exportobs.gate.reports import write_reports
@@ -18,11 +18,12 @@ def results() -> list[ModelResult]:
     return [
         ModelResult(
             "vit", "failed", stage="torch.export", kind="error", reason="data-dependent branch at m.py:41",
-            repro_path=".exportobs/vit/repro.py", n_observations=1, timings={"export": 0.5}, env=ENV,
+            repro_path=".exportobs/vit/repro.py", n_observations=1, env=ENV,
+            graphs=[GraphResult("", timings={"export": 0.5})],
         ),
         ModelResult(
-            "lm", "passed", dims=LM_DIMS, n_observations=2, max_abs=3.1e-07,
-            timings={"export": 1.0, "verify": 0.25}, env=ENV,
+            "lm", "passed", n_observations=2, env=ENV,
+            graphs=[GraphResult("", dims=LM_DIMS, max_abs=3.1e-07, timings={"export": 1.0, "verify": 0.25})],
         ),
     ]
 
@@ -30,7 +31,8 @@ def results() -> list[ModelResult]:
 def session_gate():
     old = Baseline.from_results([
         ModelResult("gone", "passed"),
-        ModelResult("lm", "passed", dims=LM_DIMS, max_abs=1e-07, env={"torch": "2.9.0", "onnx": "1.19.0"}),
+        ModelResult("lm", "passed", env={"torch": "2.9.0", "onnx": "1.19.0"},
+                    graphs=[GraphResult("", dims=LM_DIMS, max_abs=1e-07)]),
         ModelResult("vit", "passed"),
     ])
     return gate(old, results(), strict=False)
@@ -135,7 +137,8 @@ data-dependent branch at m.py:41
 
 def test_known_failure_and_regression_without_failed_verdict_get_sections(tmp_path):
     old = Baseline.from_results([
-        ModelResult("known", "failed", stage="verify"), ModelResult("vit", "passed", dims={"x": {"2": "h"}}),
+        ModelResult("known", "failed", stage="verify"),
+        ModelResult("vit", "passed", graphs=[GraphResult("", dims={"x": {"2": "h"}})]),
     ])
     now = [ModelResult("known", "failed", stage="verify", kind="mismatch"), ModelResult("vit", "passed")]
     _, md_path = write_reports(tmp_path / "report.json", now, gate(old, now, strict=False), {})
