@@ -124,6 +124,15 @@ def weights_version(module: torch.nn.Module) -> int:
     )
 
 
+@dataclass(eq=False)
+class _Block:
+    """An open ``with recorder(...)`` block: the number of observations it may reach, and the
+    test its calls come from."""
+
+    limit: int
+    source: str
+
+
 class CallRecorder:
     """Records the inputs and eager outputs of a module's method while ordinary code calls it.
 
@@ -144,42 +153,45 @@ class CallRecorder:
         self.observations: list[Observation] = []
         self.counts = CallCounts()
         self.signature: inspect.Signature | None = None
-        self.source = ""
         self.errors: list[str] = []  # why calls could not be recorded (distinct messages)
         self._by_key: dict[tuple, Observation] = {}
         self._structures: dict[tuple, _SizesSeen] = {}
-        self._limits: list[int] = []  # per open block: the number of observations it may reach
+        self._blocks: list[_Block] = []  # the open blocks, innermost last
 
     def num_obs(self) -> int:
         """Number of stored (distinct) observations."""
         return len(self.observations)
 
-    @contextlib.contextmanager
     def __call__(
-        self,
-        model: torch.nn.Module,
-        store_n_calls: int = 3,
-        method_name: str = "forward",
-    ) -> Iterator[CallRecorder]:
+        self, model: torch.nn.Module, store_n_calls: int = 3, method_name: str = "forward"
+    ) -> contextlib.AbstractContextManager[CallRecorder]:
         """Record the calls of ``model.<method_name>`` made inside the ``with`` block.
 
         At most ``store_n_calls`` new distinct call signatures are stored per block; blocks may
         nest and overlap (each call is recorded once).  The module is exactly as it was on exit.
         """
+        return self.recording(model, store_n_calls, method_name)
+
+    @contextlib.contextmanager
+    def recording(
+        self, model: torch.nn.Module, store_n_calls: int, method_name: str, source: str = ""
+    ) -> Iterator[CallRecorder]:
+        """``with recorder(...)``, its calls made by ``source`` (a test): a call is recorded
+        with the source of the innermost block open."""
         if not isinstance(store_n_calls, int) or store_n_calls < 0:
             raise ValueError(f"store_n_calls must be a non-negative int, got {store_n_calls!r}")
         method = getattr(model, method_name, None)
         if not callable(method):
             raise ValueError(f"{type(model).__name__} has no method {method_name!r} to observe")
         self._check_signature(signature_of(method))
-        limit = len(self.observations) + store_n_calls
-        self._limits.append(limit)
+        block = _Block(len(self.observations) + store_n_calls, source)
+        self._blocks.append(block)
         try:
             # Registered once for the block, not per call: flattening caches is on the hot path.
             with flattening_context(), intercepted(model, method_name, self):
                 yield self
         finally:
-            self._limits.remove(limit)
+            self._blocks.remove(block)
 
     def _check_signature(self, signature: inspect.Signature) -> None:
         if self.signature is not None and list(self.signature.parameters) != list(signature.parameters):
@@ -231,7 +243,7 @@ class CallRecorder:
                 outputs=[
                     t.detach().clone() if isinstance(t, torch.Tensor) else None for t in _pytree.tree_leaves(outputs)
                 ],
-                source=self.source,
+                source=self._blocks[-1].source if self._blocks else "",
                 instance=id(instance),
                 weights_version=weights_version(instance),
                 training=instance.training,
@@ -279,7 +291,7 @@ class CallRecorder:
         if key in self._by_key:
             return False
         stored = len(self.observations)
-        return stored < max(self._limits) or (stored < self.capacity and self._adds_information(key))
+        return stored < max(b.limit for b in self._blocks) or (stored < self.capacity and self._adds_information(key))
 
     def _adds_information(self, key: tuple) -> bool:
         """Whether a call of signature ``key`` has a new input structure or, for a known one,

@@ -124,7 +124,6 @@ class SessionStore:
         group = self.group_for(module, default_name, options)
         if source not in group.sources:
             group.sources.append(source)
-        group.recorder.source = source
         room = max(0, MAX_ORDINARY - group.recorder.num_obs())
-        with group.recorder(module, store_n_calls=min(options.store_n_calls, room), method_name=options.method):
+        with group.recorder.recording(module, min(options.store_n_calls, room), options.method, source):
             yield group

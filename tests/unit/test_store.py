@@ -92,6 +92,18 @@ def test_calls_that_add_information_are_kept_beyond_the_ordinary_bound() -> None
     assert recorder.counts.dropped == dropped + 2 + MAX_OBSERVATIONS - (MAX_OBSERVATIONS - MAX_ORDINARY - 4)
 
 
+def test_a_call_names_the_test_of_the_innermost_open_observer() -> None:
+    store, model = SessionStore(), torch.nn.Linear(4, 2)
+    with store.observe(model, "model", ObserveOptions(), "t.py::test_outer") as group:
+        model(torch.randn(2, 4))
+        with store.observe(model, "model", ObserveOptions(), "t.py::test_inner"):
+            model(torch.randn(3, 4))
+        model(torch.randn(5, 4))  # the inner observer is closed: the outer's call again
+    assert [(o.args[0].shape[0], o.source) for o in group.recorder.observations] == [
+        (2, "t.py::test_outer"), (3, "t.py::test_inner"), (5, "t.py::test_outer")]
+    assert group.sources == ["t.py::test_outer", "t.py::test_inner"]
+
+
 def test_a_value_that_is_no_module_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="'model' is a int, not a torch.nn.Module"):
         SessionStore().group_for(3, "model", ObserveOptions())
