@@ -136,7 +136,7 @@ def test_bad_baseline_is_a_usage_error_and_stays_untouched(pytester: pytest.Pyte
     pytester.makepyfile(models=MODELS, test_models=TESTS)
     path = pytester.path / "baseline.json"
     path.write_text(content)
-    result = pytester.runpytest_subprocess(*ARGS)
+    result = pytester.runpytest(*ARGS)  # in process: the session stops at configure, before any model
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*baseline.json*"])
     assert path.read_text() == content
@@ -187,7 +187,7 @@ def test_update_options_without_what_they_need_are_usage_errors(
     pytester: pytest.Pytester, args: list[str], message: str
 ) -> None:
     pytester.makepyfile(models=MODELS, test_models=TESTS)
-    result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider")
+    result = pytester.runpytest(*args, "-p", "no:cacheprovider")  # in process: it stops at configure
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
     assert not (pytester.path / "b.json").exists()

@@ -191,7 +191,7 @@ def test_unknown_option(mlp):
 
 
 def test_marker_is_registered(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest_subprocess("--markers")
+    result = pytester.runpytest("--markers", "-p", "no:cacheprovider")
     result.stdout.fnmatch_lines(["@pytest.mark.observe_export(*fixture_names, name=None*"])
 
 
