@@ -19,7 +19,7 @@ _PUBLIC = {  # public name -> module defining it
     "register_flattening_functions": "core.pytrees",
     "load_program": "core.programs",
     "make_dynamic_cache": "core.caches",
-    "export_patches": "core.export_patches",
+    "export_patches": "compat.export_patches",
     "make_encoder_decoder_cache": "core.caches",
     "make_static_cache": "core.caches",
     "ModelInputs": "api.inputs",

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from ..compat.export_patches import export_patches
 from .caches import ENCODER_DECODER_FIELDS, KeyValue, cache_module, dynamic_cache, static_cache
-from .export_patches import export_patches
 
 # the context is a list of names, or a MixedLayers for a DynamicCache of mixed layers
 Flatten = Callable[[Any], tuple[list[Any], Any]]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .torch_internals import FakeTensor
+from ..compat.torch_private import FakeTensor
 
 _ONNX_ELEMENT_TYPES = {  # dtype name -> onnx.TensorProto data type
     "float32": 1,

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..compat.export_patches import export_patches
 from ..core.capture import captured_output
-from ..core.export_patches import export_patches
 from ..core.paths import model_directory
 from ..core.text import error_line
 from ..core.trees import flattening_context

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import re
 import time
 import traceback
 from collections import Counter
@@ -23,14 +22,15 @@ from typing import Any
 
 import torch
 
-from ..core.text import error_line
-from ..core.torch_internals import (
+from ..compat.torch_private import (
     import_export_machinery,
     onnx_registry,
     prepare_for_onnx,
     rename_onnx_axes,
     to_onnx_program,
 )
+from ..compat.torch_text import translated_op
+from ..core.text import error_line
 from ..core.trees import detached_clone, flat_outputs, spec_paths
 from ..core.vocabulary import Kind, Stage
 from ..shapes.model import ShapeModel
@@ -356,11 +356,11 @@ def _translate_decomposing(program: torch.export.ExportedProgram, notes: list[st
 
 def _failing_op(error: BaseException) -> Any:
     """The op (``torch.ops.aten.nll_loss_nd.default``) of the node whose translation failed."""
-    found = re.search(r"target=torch\.ops\.([\w.]+)", f"{error} {error.__cause__}")
+    found = translated_op(f"{error} {error.__cause__}")
     if found is None:
         return None
     ops: Any = torch.ops
-    return functools.reduce(lambda obj, name: getattr(obj, name, None), found[1].split("."), ops)
+    return functools.reduce(lambda obj, name: getattr(obj, name, None), found.split("."), ops)
 
 
 def _check_onnx(path: Path, outcome: ExportOutcome) -> None:

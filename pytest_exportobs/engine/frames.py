@@ -7,13 +7,12 @@ import inspect
 import linecache
 import logging
 import os
-import re
 import traceback
 from pathlib import Path
 
 import torch
 
-from ..core.torch_internals import raising_call
+from ..compat.torch_text import quoted_frames, raising_call
 
 _NOT_USER_DIRS = (
     *(str(Path(inspect.getfile(m)).parent) for m in (torch, logging)), str(Path(__file__).parents[1]), "<"
@@ -52,8 +51,8 @@ def user_frame(error: BaseException) -> str:
     user = [f for f in frames if is_user_file(f.filename)]
     if user:
         return _location(user[-1].filename, user[-1].lineno or 0, user[-1].line or "")
-    quoted = [(p, n) for p, n in re.findall(r'File "([^"]+)", line (\d+)', str(error)) if is_user_file(p)]
-    return _location(quoted[-1][0], int(quoted[-1][1]), "") if quoted else ""
+    quoted = [(path, line) for path, line in quoted_frames(str(error)) if is_user_file(path)]
+    return _location(*quoted[-1], "") if quoted else ""
 
 
 def _location(filename: str, lineno: int, line: str) -> str:

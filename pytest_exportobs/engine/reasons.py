@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import re
-
+from ..compat.torch_text import translated_op, unsupported_ops
 from ..core.text import first_line
 from ..core.vocabulary import Stage
 from .frames import user_frame
@@ -24,11 +23,11 @@ def one_line_reason(stage: Stage, error: BaseException) -> str:
     message = first_line(str(error)) or type(error).__name__
     ops = unsupported_ops(str(error)) if stage in (Stage.DECOMPOSE, Stage.ONNX_TRANSLATE) else []
     location = user_frame(error)
-    node = re.search(r"Error when translating node .*?target=torch\.ops\.([\w.]+)", str(error))
+    node = translated_op(str(error))
     if ops:
         reason = f"no ONNX translation for {', '.join(ops)}"
     elif stage == Stage.ONNX_TRANSLATE and node:
-        reason = f"{type(error).__name__}: cannot translate {node.group(1)} to ONNX"
+        reason = f"{type(error).__name__}: cannot translate {node} to ONNX"
     else:
         reason = f"{type(error).__name__}: {message}" + (f" (at {location})" if location else "")
     hint = next((text for key, text in HINTS.items() if key in _full_text(error)), "")
@@ -43,13 +42,3 @@ def _full_text(error: BaseException) -> str:
         texts.append(str(current))
         current = current.__cause__ or current.__context__
     return "\n".join(texts)
-
-
-def unsupported_ops(message: str) -> list[str]:
-    """Operator names mentioned by a translation error next to 'No ONNX function' / 'unsupported'."""
-    ops: list[str] = []
-    for line in message.splitlines():
-        if re.search(r"no onnx function|unsupported|not supported|dispatch", line, re.IGNORECASE):
-            names = re.findall(r"\b[a-z_]+(?:::|\.)[a-zA-Z_]\w*(?:\.\w+)?", line)
-            ops.extend(m for m in names if "aten" in m or "::" in m)
-    return sorted(set(ops))

@@ -11,15 +11,15 @@ axis) is made static instead, with a note.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..compat.torch_private import DEFERRED_ASSERTS, ExportUserError, rnn_while_loops, size_oblivious
+from ..compat.torch_text import rejects_dims, specializations, suggested_fixes
 from ..core.text import error_line, first_line
-from ..core.torch_internals import DEFERRED_ASSERTS, ExportUserError, rnn_while_loops, size_oblivious
 from ..core.vocabulary import DimSource
 from ..shapes.model import ShapeModel
 from ..shapes.spec import spec_api, to_shapes_spec
@@ -106,11 +106,11 @@ def _export(
         try:
             return _torch_export(module, example, named)
         except ExportUserError as e:
-            if "Constraints violated" not in str(e):
+            if not rejects_dims(str(e)):
                 raise
             rejection = e
         fixes = suggested_fixes(rejection.msg)
-        specialized = {name: int(value) for name, value in fixes if re.fullmatch(r"-?\d+", value)}
+        specialized = specializations(fixes)
         if specialized:
             try:
                 _keep_static(shapes, specialized, watch, notes)
@@ -169,13 +169,6 @@ def _check_bound(shapes: ShapeModel, name: str, upper: int, probe: SizeProbe | N
     reached = probe.reaches(name, upper + 1) if probe is not None else None
     if reached is not None:
         raise Specialized(shapes, name, f"bounded to at most {upper} ({reached})", location, retrace=False)
-
-
-def suggested_fixes(message: str) -> list[tuple[str, str]]:
-    """The ``(name, expression)`` pairs torch suggests after 'Suggested fixes:'."""
-    text = message.partition("Suggested fixes:")[2]
-    pairs = [line.strip().partition("=") for line in text.splitlines() if "=" in line]
-    return [(name.strip(), value.strip()) for name, _, value in pairs if name.strip().isidentifier()]
 
 
 def _keep_static(shapes: ShapeModel, constants: dict[str, int], watch: SpecializationWatch, notes: list[str]) -> None:

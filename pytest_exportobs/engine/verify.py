@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree
 
+from ..compat.onnxruntime_text import kernel_lacked, lacks_kernel
 from ..core.text import error_line
 from ..core.vocabulary import Kind
 from ..observe.alignment import AlignedCalls
@@ -211,20 +211,13 @@ class OutputLayout:
         return empty if empty is not None and bool(empty.any()) else None
 
 
-# onnxruntime's type check of an op that takes no half-precision input at the graph's opset
-_HALF_TYPE_ERROR = re.compile(r"Type Error: Type 'tensor\((bfloat16|float16)\)' of input parameter")
-
-
 class RuntimeGap(Exception):
     """onnxruntime has no kernel for an op of the graph in its dtype (``NOT_IMPLEMENTED`` at
     session load, or a type error on a float16/bfloat16 input of an op at the graph's opset)."""
 
     def explain(self, dtype: torch.dtype | None) -> str:
         """What the user reads: the op, the dtype and what to do."""
-        found = re.search(r"implementation for (\S+?)\((\d+)\) node with name '([^']*)'", str(self))
-        typed = re.search(r"of operator \((\w+)\) in node \(([^)]*)\)", str(self))
-        op = (f"{found[1]} (opset {found[2]}, node {found[3]})" if found
-              else f"{typed[1]} (node {typed[2]}) at the graph's opset" if typed else "an op of the graph")
+        op = kernel_lacked(str(self))
         in_dtype = f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
         return (
             f"onnxruntime's CPUExecutionProvider has no kernel for {op}{in_dtype}: the ONNX was written and "
@@ -289,7 +282,7 @@ class OnnxRunner:
                 options, providers=["CPUExecutionProvider"],
             )
         except Exception as e:
-            if "NOT_IMPLEMENTED" in str(e) or _HALF_TYPE_ERROR.search(str(e)):
+            if lacks_kernel(str(e)):
                 raise RuntimeGap(str(e)) from e
             raise
         self.input_names = [i.name for i in self.session.get_inputs()]

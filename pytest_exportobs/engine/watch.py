@@ -14,11 +14,9 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import SupportsInt, TypeGuard
 
+from ..compat.torch_text import SHAPES_LOGGER, guard_added, symbol_created, symbol_replaced
 from .frames import user_location
-
-LOGGER = "torch.fx.experimental.symbolic_shapes"
 
 
 @dataclass(frozen=True)
@@ -42,21 +40,18 @@ class SpecializationWatch(logging.Handler):
         self.found: list[Specialization] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = str(record.msg)
-        args = record.args if isinstance(record.args, tuple) else ()  # torch logs its values positionally
-        if message.startswith("create_symbol") and len(args) >= 3:
-            self.sources[str(args[0])] = str(args[2])
-        elif "[guard added]" in message and len(args) >= 2:
+        if created := symbol_created(record):
+            symbol, size = created
+            self.sources[symbol] = size
+        elif guard := guard_added(record):
             location = user_location()
-            if location:
-                for symbol in self.sources:
-                    if _mentions(str(args[1]), symbol):
-                        self.guards.setdefault(symbol, []).append((str(args[1]), location))
-        elif message.startswith("set_replacement") and len(args) >= 2 and _is_integer(args[1]):
-            symbol = str(args[0])
+            for symbol in self.sources if location else ():
+                if _mentions(guard, symbol):
+                    self.guards.setdefault(symbol, []).append((guard, location))
+        elif replaced := symbol_replaced(record):
+            symbol, value = replaced
             last = self.guards.get(symbol, [("", "")])[-1][1]
-            source = self.sources.get(symbol, "")
-            self.found.append(Specialization(symbol, int(args[1]), source, last or user_location()))
+            self.found.append(Specialization(symbol, value, self.sources.get(symbol, ""), last or user_location()))
 
     def bound_location(self, symbol: str) -> str:
         """The user line of the first inequality guard on ``symbol`` (what bounded it)."""
@@ -82,7 +77,7 @@ def watching() -> Iterator[SpecializationWatch]:
     """Collect specializations while the block traces.  The logger's INFO records go to the
     watch alone (not to torch's console handler, nor pytest's): its handlers, level and
     propagation are restored after."""
-    logger = logging.getLogger(LOGGER)
+    logger = logging.getLogger(SHAPES_LOGGER)
     watch = SpecializationWatch()
     saved = logger.handlers, logger.level, logger.propagate
     logger.handlers, logger.propagate = [watch], False
@@ -105,7 +100,3 @@ def _mentions(expression: str, symbol: str) -> bool:
             return True
         start = expression.find(symbol, end)
     return False
-
-
-def _is_integer(value: object) -> TypeGuard[SupportsInt]:
-    return bool(getattr(value, "is_Integer", False)) or isinstance(value, int)

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from xdist.scheduler import LoadScopeScheduling
 from xdist.workermanage import WorkerController
 
+from ..compat.xdist_private import ScopeScheduling
 
-class ModelScheduling(LoadScopeScheduling):
+
+class ModelScheduling(ScopeScheduling):
     """xdist's scope scheduling where a scope is a placement group (see :mod:`.xdist`): the tests
     of one model run on one worker, the models are dealt evenly to the workers, and every other
     test is a scope of its own, as under ``--dist load``.  Without the workers' placement (workers
@@ -45,21 +46,21 @@ class ModelScheduling(LoadScopeScheduling):
             self.undealt = set((self.placement or {}).values())
         super().schedule()
 
-    def _assign_work_unit(self, node: WorkerController) -> None:
+    def assign(self, node: WorkerController) -> None:
         """The first assignment deals all model groups round-robin (largest first) to the
         workers, which check them at their end; the other tests follow as workers free up."""
         if self.undealt:
-            models = [scope for scope in self.workqueue if scope in self.undealt]
+            models = [scope for scope in self.queue if scope in self.undealt]
             self.undealt.clear()
             for position, scope in enumerate(models):
-                self.workqueue.move_to_end(scope, last=False)
-                super()._assign_work_unit(self.nodes[position % len(self.nodes)])
+                self.queue.move_to_end(scope, last=False)
+                self.send_next_scope(self.nodes[position % len(self.nodes)])
             if self.assigned_work[node]:
                 return
-        if self.workqueue:
-            super()._assign_work_unit(node)
+        if self.queue:
+            self.send_next_scope(node)
 
-    def _split_scope(self, nodeid: str) -> str:
+    def scope_of(self, nodeid: str) -> str:
         if self.placement is None:
             return nodeid.split("::", 1)[0]
         return self.placement.get(nodeid, nodeid)
@@ -69,15 +70,15 @@ class ModelScheduling(LoadScopeScheduling):
         crashed = next((nodeid for unit in left.values() for nodeid, done in unit.items() if not done), None)
         if crashed is None:
             return None  # a worker shutting down with nothing left to run
-        left[self._split_scope(crashed)][crashed] = True  # xdist reports it failed; never sent again
-        self.workqueue.update((scope, unit) for scope, unit in left.items() if not all(unit.values()))
+        left[self.scope_of(crashed)][crashed] = True  # xdist reports it failed; never sent again
+        self.queue.update((scope, unit) for scope, unit in left.items() if not all(unit.values()))
         for other in self.assigned_work:
-            self._reschedule(other)
+            self.reschedule(other)
         return crashed
 
-    def _reschedule(self, node: WorkerController) -> None:
+    def reschedule(self, node: WorkerController) -> None:
         if node in self.registered_collections:
-            super()._reschedule(node)
+            super().reschedule(node)
 
 
 def _read_placement(directory: Path) -> dict[str, str] | None:

@@ -1,5 +1,5 @@
 """Every private torch name the plugin relies on, in one place: a torch release that moves one
-breaks this module only, and its tests say which (``tests/unit/test_torch_internals.py``).
+breaks this module only, and its tests say which (``tests/unit/test_compat.py``).
 
 torch.onnx.export's two steps (torch.onnx._internal.exporter), called apart so that each is timed
 and reported on its own with one torchlib registry per process; what it enters around
@@ -14,7 +14,6 @@ import contextlib
 import functools
 import importlib
 import inspect
-import re
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -25,19 +24,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = [
     "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "import_export_machinery", "onnx_registry",
-    "prepare_for_onnx", "raising_call", "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "to_onnx_program",
+    "prepare_for_onnx", "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "to_onnx_program",
 ]
 
 # torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
 DEFERRED_ASSERTS = "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(torch.export.export).parameters
-
-
-def raising_call(message: str) -> tuple[str, int, str] | None:
-    """``(file, line, code)`` of the call torch.export's error quotes as the one that raised
-    ("The following call raised this error:" and a traceback line), the model's own line for a
-    data-dependent guard; ``None`` when the message quotes none."""
-    found = re.search(r'The following call raised this error:\n\s*File "([^"]+)", line (\d+)[^\n]*\n([^\n]*)', message)
-    return (found[1], int(found[2]), found[3].strip()) if found else None
 
 
 def import_export_machinery() -> None:

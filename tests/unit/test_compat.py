@@ -1,32 +1,48 @@
-"""The private torch names of core/torch_internals.py, run against the installed torch: a release
-that moves or changes one fails here, by name, before it fails a model's check somewhere else."""
+"""The compatibility layer against the installed torch, onnxruntime and xdist, and its parsers on
+messages captured from every supported torch: a release that moves or changes one fails here,
+by name, before it fails a model's check somewhere else."""
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import onnx
 import pytest
 import torch
 
-from pytest_exportobs.core.torch_internals import (
+from pytest_exportobs.compat.onnxruntime_text import kernel_lacked, lacks_kernel
+from pytest_exportobs.compat.torch_private import (
     DEFERRED_ASSERTS,
     ExportUserError,
     FakeTensor,
     import_export_machinery,
     onnx_registry,
     prepare_for_onnx,
-    raising_call,
     rename_onnx_axes,
     rnn_while_loops,
     size_oblivious,
     to_onnx_program,
 )
+from pytest_exportobs.compat.torch_text import (
+    SHAPES_LOGGER,
+    guard_added,
+    quoted_frames,
+    raising_call,
+    rejects_dims,
+    specializations,
+    suggested_fixes,
+    symbol_created,
+    symbol_replaced,
+    translated_op,
+    unsupported_ops,
+)
 from pytest_exportobs.core.vocabulary import Stage
 from pytest_exportobs.engine.reasons import one_line_reason
-from pytest_exportobs.engine.tracing import suggested_fixes
 
 
 class Doubling(torch.nn.Module):
@@ -94,7 +110,7 @@ def test_the_call_torch_says_raised_is_read_from_its_message() -> None:
     with pytest.raises(Exception, match="Could not guard on data-dependent expression") as info:
         torch.export.export(ValueCheck(), (torch.randn(2, 3), torch.tensor([1, 2])))
     file, line, code = raising_call(str(info.value))
-    assert (Path(file).name, code) == ("test_torch_internals.py", "if labels.max() >= 5:")
+    assert (Path(file).name, code) == ("test_compat.py", "if labels.max() >= 5:")
     assert Path(file).read_text().splitlines()[line - 1].strip() == code
 
 
@@ -110,3 +126,64 @@ def test_a_failure_in_a_models_installed_package_names_the_models_line(tmp_path:
         torch.export.export(module.VendorModel(), (torch.randn(2, 3), torch.tensor([1, 2])))
     reason = one_line_reason(Stage.TORCH_EXPORT, info.value)
     assert reason.endswith("vendor_models.py:3: if labels.max() >= 5:)"), reason
+
+
+# -- the parsers on messages captured from every supported torch (tests/unit/messages/capture.py) --
+
+CAPTURED = sorted((Path(__file__).parent / "messages").glob("torch-*.json"))
+
+
+def record(message: str, args: list[Any]) -> logging.LogRecord:
+    return logging.LogRecord(SHAPES_LOGGER, logging.INFO, "symbolic_shapes.py", 1, message, tuple(args), None)
+
+
+@pytest.fixture(params=CAPTURED, ids=[p.stem for p in CAPTURED])
+def captured(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return json.loads(request.param.read_text())
+
+
+def test_messages_of_the_oldest_and_newest_supported_torch_are_captured() -> None:
+    assert {p.stem for p in CAPTURED} >= {"torch-2.13.0", "torch-2.15.0"}
+
+
+def test_a_rejection_of_dims_and_its_fixes_are_read(captured: dict[str, Any]) -> None:
+    message = captured["constraints_violated"]
+    assert rejects_dims(message)
+    assert suggested_fixes(message) == [("batch", "3")]
+    assert specializations(suggested_fixes(message)) == {"batch": 3}
+    assert not rejects_dims(captured["data_dependent"])
+
+
+def test_the_shapes_loggers_records_give_the_symbol_its_guards_and_its_constant(captured: dict[str, Any]) -> None:
+    records = [record(message, args) for message, args in captured["shape_records"]]
+    created = [found for r in records if (found := symbol_created(r))]
+    guards = [found for r in records if (found := guard_added(r))]
+    replaced = [found for r in records if (found := symbol_replaced(r))]
+    ((symbol, size),) = created
+    assert size == "L['x'].size()[0]"
+    assert f"Eq({symbol}, 3)" in guards
+    assert replaced == [(symbol, 3)]
+
+
+def test_the_call_a_data_dependent_guard_raised_in_is_read(captured: dict[str, Any]) -> None:
+    message = captured["data_dependent"]
+    file, line, code = raising_call(message)
+    assert (Path(file).name, code) == ("capture.py", "if labels.max() >= 5:")
+    assert quoted_frames(message) == [(file, line)]
+
+
+def test_the_op_whose_translation_failed_is_read(captured: dict[str, Any]) -> None:
+    assert translated_op(captured["untranslatable"]) == "exportobs_capture.opaque.default"
+    assert translated_op(captured["constraints_violated"]) is None
+
+
+def test_onnxruntimes_missing_kernels_are_read(captured: dict[str, Any]) -> None:
+    assert lacks_kernel(captured["type_error"]) and lacks_kernel(captured["not_implemented"])
+    assert kernel_lacked(captured["type_error"]) == "Conv (node node_Conv_0) at the graph's opset"
+    assert kernel_lacked(captured["not_implemented"]) == "Add (opset 14, node node_Add_0)"
+    assert not lacks_kernel(captured["untranslatable"])
+
+
+def test_aten_ops_a_translation_error_calls_unsupported_are_listed() -> None:
+    message = "No ONNX function found for aten::_fft_r2c.default: unsupported\nother line aten::add"
+    assert unsupported_ops(message) == ["aten::_fft_r2c.default"]

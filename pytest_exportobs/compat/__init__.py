@@ -1,0 +1,14 @@
+"""Every unstable surface the plugin touches, in one layer below all the others.
+
+* :mod:`.torch_private`: private torch names (the exporter's two steps, capture settings, the RNN
+  decompositions, torch.export's user error, fake tensors);
+* :mod:`.torch_text`: parsers of the text torch writes (its error messages, the records of its
+  symbolic-shapes logger);
+* :mod:`.onnxruntime_text`: parsers of onnxruntime's errors (a missing kernel);
+* :mod:`.export_patches`: patches of torch and transformers internals around ``torch.export``;
+* :mod:`.xdist_private`: the private hooks of xdist's scheduler.
+
+A release that changes one of them breaks this package alone; ``tests/unit/test_compat.py``
+checks each name against the installed versions and each parser on messages captured from
+every supported torch.
+"""
