@@ -6,7 +6,7 @@ import math
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from ..compat.onnxruntime_text import kernel_lacked, lacks_kernel
 from ..core.text import error_line
 from ..core.vocabulary import Kind
 from ..observe.alignment import AlignedCalls
+from ..shapes.synthesis import IGNORE_INDEX
 
 EPS = 1e-12
 HISTOGRAM_EDGES = (1e-6, 1e-4, 1e-2)  # |Δ| buckets: <1e-6, <1e-4, <1e-2, >=1e-2
@@ -88,13 +89,14 @@ class Discrepancy:
 def compare(
     actual: Sequence[Any], expected: Sequence[torch.Tensor | None], tolerance: Tolerance, index: int = 0,
     names: Sequence[str] = (), padding: torch.Tensor | None = None, empty_rows: torch.Tensor | None = None,
-    decoder_padding: torch.Tensor | None = None,
+    decoder_padding: torch.Tensor | None = None, unread: Collection[str] = (),
 ) -> Discrepancy:
     """Compare flattened outputs; both may hold ``None`` for non-tensor outputs (eager's ``loss``
     without labels), left out of the comparison.
     ``names`` names the outputs; ``padding`` is the call's attention mask (0: padded), the
     encoder's in an encoder-decoder, whose decoder-side outputs read ``decoder_padding``;
-    ``empty_rows`` marks the batch elements a mask leaves attending to nothing."""
+    ``empty_rows`` marks the batch elements a mask leaves attending to nothing; the outputs
+    named in ``unread`` are read nowhere (a loss of padded positions)."""
     references = [t for t in expected if isinstance(t, torch.Tensor)]
     actual = [torch.as_tensor(a) if not isinstance(a, torch.Tensor) else a for a in actual if a is not None]
     result = Discrepancy(index=index, ok=True)
@@ -105,8 +107,9 @@ def compare(
         if tuple(got.shape) != tuple(ref.shape):
             return _outputs_differ(result, f"{name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
         encoder_side = decoder_padding is None or "encoder" in name or "cross_attention" in name
-        _accumulate(result, got, ref, tolerance, name, _unread(ref, padding if encoder_side else decoder_padding,
-                                                              empty_rows))
+        padded = (torch.ones(ref.shape, dtype=torch.bool) if name in unread
+                  else _unread(ref, padding if encoder_side else decoder_padding, empty_rows))
+        _accumulate(result, got, ref, tolerance, name, padded)
     result.ok = result.n_beyond == 0
     result.kind = "" if result.ok else Kind.MISMATCH
     if result.n_beyond:
@@ -187,6 +190,7 @@ class OutputLayout:
     mask_leaf: int | None = None
     mask_leaves: tuple[int, ...] = ()
     decoder_mask_leaf: int | None = None  # an encoder-decoder's decoder_attention_mask
+    labels_leaf: int | None = None
 
     @classmethod
     def of(cls, outputs: Sequence[str], leaf_names: Sequence[str]) -> OutputLayout:
@@ -195,13 +199,24 @@ class OutputLayout:
         mask = next((names.index(n) for n in ("attention_mask", "decoder_attention_mask") if n in names), None)
         decoder = names.index("decoder_attention_mask") if "decoder_attention_mask" in names else None
         masks = tuple(i for i, n in enumerate(names) if n.endswith("attention_mask"))
-        return cls(tuple(outputs), mask, masks, decoder if decoder != mask else None)
+        labels = names.index("labels") if "labels" in names else None
+        return cls(tuple(outputs), mask, masks, decoder if decoder != mask else None, labels)
 
     def padding(self, leaves: Sequence[Any]) -> torch.Tensor | None:
         return leaves[self.mask_leaf] if self.mask_leaf is not None else None
 
     def decoder_padding(self, leaves: Sequence[Any]) -> torch.Tensor | None:
         return leaves[self.decoder_mask_leaf] if self.decoder_mask_leaf is not None else None
+
+    def unread_outputs(self, leaves: Sequence[Any]) -> tuple[str, ...]:
+        """``("loss",)`` when the call's labels score positions its mask pads (a label other than
+        the ignore index under a 0): the loss then reads outputs at positions no comparison reads
+        (under causal attention a left-padded query attends to nothing, its values arbitrary)."""
+        mask = self.padding(leaves)
+        labels = leaves[self.labels_leaf] if self.labels_leaf is not None else None
+        if not isinstance(labels, torch.Tensor) or not isinstance(mask, torch.Tensor) or labels.shape != mask.shape:
+            return ()
+        return ("loss",) if bool(((mask == 0) & (labels != IGNORE_INDEX)).any()) else ()
 
     def empty_rows(self, leaves: Sequence[Any]) -> torch.Tensor | None:
         """Per batch element, whether one of its masks masks every position."""
@@ -341,4 +356,4 @@ def run_and_compare(
         return Discrepancy(index, False, "error", math.inf, math.inf, detail=error_line(e))
     layout = outputs or OutputLayout()
     return compare(actual, reference, tolerance, index, layout.names, layout.padding(leaves), layout.empty_rows(leaves),
-                   layout.decoder_padding(leaves))
+                   layout.decoder_padding(leaves), layout.unread_outputs(leaves))

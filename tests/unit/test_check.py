@@ -14,7 +14,7 @@ import torch
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.engine.settings import CheckSettings
-from pytest_exportobs.engine.verify import Tolerance, compare
+from pytest_exportobs.engine.verify import OutputLayout, Tolerance, compare, run_and_compare
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
 import models
@@ -472,6 +472,26 @@ def test_a_model_of_huge_weights_passes_where_its_outputs_cancel(tmp_path: Path)
     result = check_model(group, settings(tmp_path))
     assert result.verdict == "passed", result.reason
     assert result.max_abs > 1e3  # the rounding of terms of 1e11, within tolerance
+
+
+def test_a_loss_of_labels_at_padded_positions_is_read_nowhere() -> None:
+    """A test's token labels under a left-padded mask: under causal attention the padded queries
+    attend to nothing, their logits are arbitrary in eager and ONNX alike, and so is a loss that
+    scores them; labels set to the ignore index there make the loss defined again."""
+    layout = OutputLayout.of(["loss", "logits"], ["input_ids", "attention_mask", "labels"])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    labels = torch.tensor([[1, 2, 0, 1], [2, 2, 1, 0]])
+    loss, logits = torch.tensor(1.25), torch.randn(2, 4, 3)
+    arbitrary_rows = logits.clone()
+    arbitrary_rows[0, :2] += 0.7
+    exported = [loss + 0.01, arbitrary_rows]  # the loss averaged the arbitrary rows in
+    found = run_and_compare(lambda leaves: exported, [torch.ones(2, 4), mask, labels], [loss, logits], Tolerance(),
+                            outputs=layout)
+    assert (found.ok, found.n_padded, found.n_beyond) == (True, 7, 0)
+    ignored = labels.masked_fill(mask == 0, -100)
+    found = run_and_compare(lambda leaves: exported, [torch.ones(2, 4), mask, ignored], [loss, logits], Tolerance(),
+                            outputs=layout)
+    assert (found.ok, found.worst) == (False, "loss (atol=0.0001, rtol=0.0001)")
 
 
 def test_rows_of_padded_queries_are_compared_as_attention_reads_them() -> None:
