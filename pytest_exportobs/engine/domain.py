@@ -137,18 +137,18 @@ def refinements(
     return names, found
 
 
-def apply_refinements(shapes: ShapeModel, found: list[list[Any]]) -> list[str]:
-    """Apply :func:`refinements` to the shape model; one note per refinement."""
+def apply_refinements(shapes: ShapeModel, found: list[list[Any]]) -> tuple[ShapeModel, list[str]]:
+    """The shape model refined with :func:`refinements`, and one note per refinement."""
     notes = []
     for kind, name, value in found:
         if kind == "merge":
-            shapes.merge(name, into=value)
+            shapes = shapes.merged(name, into=value)
             notes.append(f"torch.export proved {name} = {value}")
         else:
             free = _scaled_name(name, value)
-            shapes.derive(name, Relation(name, (free,), scale=value))
+            shapes = shapes.derived(name, Relation(name, (free,), scale=value))
             notes.append(f"torch.export restricts {name} to multiples of {value}: {name} = {value}*{free}")
-    return notes
+    return shapes, notes
 
 
 def _scaled_name(name: str, scale: int) -> str:

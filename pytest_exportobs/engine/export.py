@@ -72,6 +72,7 @@ class ExportOutcome(ExportFiles):
     dims: dict[str, dict[str, str]] = field(default_factory=dict)
     refinements: list[list[Any]] = field(default_factory=list)  # what torch proved (engine.domain)
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
+    shapes: ShapeModel | None = None  # the shape model as the export refined it
 
 
 class StageFailed(Exception):
@@ -111,7 +112,7 @@ def export_model(
     ``target`` ``onnx`` translates and writes ``onnx_path``, ``torch`` stops after torch.export.
     The shape model is refined with what torch proved (equal dims, multiples of 2...);
     The ``probe`` runs eager at sizes torch's bounds exclude (``None``: bounds are not checked)."""
-    outcome = ExportOutcome(ok=True, stage=Stage.TORCH_EXPORT)
+    outcome = ExportOutcome(ok=True, stage=Stage.TORCH_EXPORT, shapes=shapes)
     stages = Stages(outcome)
     exported = bind_constants(module, method, shapes.aligned)
     outcome.bound = exported is not module
@@ -123,10 +124,10 @@ def export_model(
             return outcome
     try:
         with stages.run(Stage.TORCH_EXPORT):
-            program, outcome.dims_form = _trace(exported, shapes, outcome, probe)
+            program, outcome.dims_form, shapes = _trace(exported, shapes, outcome, probe)
         outcome.program = program
         outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
-        names = _refine(shapes, program_shapes(program), outcome)
+        shapes, names = _refine(shapes, program_shapes(program), outcome)
         if target == "torch":
             outcome.dims = read_dims(shapes, outcome.example.inputs, program_shapes(program), names)
             _save_program(program, onnx_path.with_suffix(".pt2"), outcome)
@@ -152,22 +153,25 @@ def _store_cached(cache: ExportCache, key: str, onnx_path: Path, outcome: Export
 
 def _trace(
     module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, probe: SizeProbe | None,
-) -> tuple[Any, str]:
+) -> tuple[Any, str, ShapeModel]:
     """:func:`~.tracing.trace` on the example; when torch pins a dim at the size the example
     happens to have (a size the model treats specially: DINOv2 skips its position interpolation
     at the config's image size), traced again on recorded calls of other sizes, then on inputs
-    synthesized at another size, before failing."""
+    synthesized at another size, before failing.  ``outcome.shapes`` follows the refinements
+    made on the way, a failure's included."""
     assert outcome.example is not None
     try:
         return trace(module, shapes, outcome.example, not outcome.bound, outcome.notes, probe)
     except Specialized as pinned:
+        outcome.shapes = shapes = pinned.shapes
         if not pinned.retrace:
             raise
         for what, leaves in _other_examples(shapes, outcome.example, pinned.name, probe):
             example = Example(leaves, *shapes.aligned.split_arguments(leaves, constants=not outcome.bound))
             try:
                 found = trace(module, shapes, example, not outcome.bound, outcome.notes, probe)
-            except Specialized:
+            except Specialized as again:
+                outcome.shapes = shapes = again.shapes
                 continue
             if not _reproduces(found[0], module, outcome.example):
                 break  # the size is special for the model, not only for the trace: the pin stands
@@ -238,17 +242,20 @@ def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> Example:
     return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
 
 
-def _refine(shapes: ShapeModel, read: list[Shape], outcome: ExportOutcome) -> dict[str, str]:
-    """Refine the shape model from the program's input shapes; the names of its symbols."""
+def _refine(shapes: ShapeModel, read: list[Shape], outcome: ExportOutcome) -> tuple[ShapeModel, dict[str, str]]:
+    """The shape model refined from the program's input shapes (also ``outcome.shapes``), and
+    the names of its symbols."""
     assert outcome.example is not None
     inputs = outcome.example.inputs
     names, outcome.refinements = refinements(shapes, inputs, read, deferred_asserts(outcome.program))
-    outcome.notes.extend(apply_refinements(shapes, outcome.refinements))
+    shapes, notes = apply_refinements(shapes, outcome.refinements)
+    outcome.shapes = shapes
+    outcome.notes.extend(notes)
     for var in shapes.variables:  # every other symbol of an input axis is named after its variable
         for leaf, dim in var.axes:
             if leaf in inputs:
                 names.setdefault(str(read[inputs.index(leaf)][dim]), var.name)
-    return names
+    return shapes, names
 
 
 def _save_program(program: torch.export.ExportedProgram, path: Path, outcome: ExportOutcome) -> None:
@@ -301,9 +308,9 @@ def _load_cached(cache: ExportCache, key: str, path: Path, shapes: ShapeModel, o
     outcome.stage, outcome.cache_hit, outcome.onnx_path = Stage.ONNX_CHECKER, True, str(path)
     outcome.opset, outcome.op_counts, outcome.refinements = entry.opset, entry.op_counts, entry.refinements
     outcome.outputs = entry.outputs
-    apply_refinements(shapes, entry.refinements)
+    outcome.shapes, _ = apply_refinements(shapes, entry.refinements)
     outcome.notes = [*entry.notes, "export cache hit: torch.export and translation skipped"]
-    outcome.dims = _onnx_dims(shapes, path, outcome)
+    outcome.dims = _onnx_dims(outcome.shapes, path, outcome)
     return True
 
 

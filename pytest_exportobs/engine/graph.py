@@ -100,7 +100,7 @@ class GraphCheck:
 
     def run(self) -> GraphResult:
         context, result = self.context, self.result
-        probe_unvaried_dims(self.shapes, context.eager(self.shapes), result.notes)
+        self.shapes = probe_unvaried_dims(self.shapes, context.eager(self.shapes), result.notes)
         outcome = self._export()
         if not outcome.ok:
             return result
@@ -147,6 +147,8 @@ class GraphCheck:
         ))
         result.timings.update(outcome.timings)
         result.notes.extend(outcome.notes)
+        if outcome.shapes is not None:
+            self.shapes = outcome.shapes  # as the export refined it
         summary = self.shapes.to_json()
         result.relations, result.bounds = summary["relations"], summary["bounds"]
         result.dim_sources = {v.name: v.source for v in self.shapes.variables if v.axes}

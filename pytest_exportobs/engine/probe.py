@@ -28,21 +28,23 @@ from .eager import ModelRaised
 Eager = Callable[[list[Any]], Any]
 
 
-def probe_unvaried_dims(shapes: ShapeModel, eager: Eager, notes: list[str]) -> None:
-    """Drop the dynamic variables no call varied that eager rejects one size larger (all at
-    once first: one eager run when the model accepts them all)."""
+def probe_unvaried_dims(shapes: ShapeModel, eager: Eager, notes: list[str]) -> ShapeModel:
+    """The shape model without the dynamic variables no call varied that eager rejects one size
+    larger (all at once first: one eager run when the model accepts them all)."""
     free = free_variables(shapes)
     candidates = [v.name for v in shapes.variables if v.source in (DimSource.ROLE, DimSource.GUESS) and v.name in free]
     if not candidates:
-        return
+        return shapes
     base = _free_sizes(shapes)
     if _rejection(shapes, eager, {name: base[name] + 1 for name in candidates}) is None:
-        return
+        return shapes
+    probed = shapes
     for name in candidates:
-        error = _rejection(shapes, eager, {name: base[name] + 1})
+        error = _rejection(probed, eager, {name: base[name] + 1})
         if error is not None:
-            shapes.drop(name)
+            probed = probed.without(name)
             notes.append(f"{name} kept static: eager rejects {name}={base[name] + 1} ({error})")
+    return probed
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ class Specialized(Exception):
         where = f" at {location}" if location else ""
         super().__init__(f"{name} ({axes}, {_why(var.source)}) {what} by torch.export{where}")
         self.name, self.what = name, what
+        self.shapes = shapes  # the model as refined when torch pinned the dim (guessed dims made static)
         self.retrace = retrace  # whether tracing at another size may keep the dim (a pin may; a bound not)
 
 
@@ -60,24 +61,26 @@ class Example:
 def trace(
     module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, notes: list[str],
     probe: SizeProbe | None,
-) -> tuple[torch.export.ExportedProgram, str]:
+) -> tuple[torch.export.ExportedProgram, str, ShapeModel]:
     """``torch.export.export`` of ``module`` on the example with the shape model's named dims,
     refined with torch's suggested fixes, captured as ``torch.onnx.export`` captures (see
     :func:`capturing`).  A dim the program still has as a constant is checked like a suggested
     constant; a demanded dim torch bounds above is a :class:`Specialized` failure when the
-    ``probe`` finds eager reaching a size past the bound.  Returns the program and the form its
-    dims were given in (``ShapesSpec`` or ``Dim``).  Raises :class:`Specialized`, or torch's error."""
+    ``probe`` finds eager reaching a size past the bound.  Returns the program, the form its
+    dims were given in (``ShapesSpec`` or ``Dim``) and the shape model without the guessed dims
+    torch made constant.  Raises :class:`Specialized`, or torch's error."""
     with capturing(), watching() as watch:
         program = _spec_export(module, shapes, example, constants, notes) if spec_api() is not None else None
         form = "Dim" if program is None else "ShapesSpec"
         if program is None:
-            program = _export(module, shapes, example, constants, watch, notes)
+            program, shapes = _export(module, shapes, example, constants, watch, notes)
         read = program_shapes(program)
         for axis in static_axes(shapes, example.inputs, read):
-            _keep_static(shapes, {axis.variable.name: axis.value}, watch, notes)
+            shapes = _keep_static(shapes, {axis.variable.name: axis.value}, watch, notes)
         for name, symbol, upper in upper_bounds(shapes, example.inputs, read, program.range_constraints):
+            probe = replace(probe, shapes=shapes) if probe is not None else None
             _check_bound(shapes, name, upper, probe, watch.bound_location(symbol))
-        return program, form
+        return program, form, shapes
 
 
 def _spec_export(
@@ -99,12 +102,13 @@ def _spec_export(
 def _export(
     module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, watch: SpecializationWatch,
     notes: list[str],
-) -> torch.export.ExportedProgram:
-    """Named dims, refined until torch accepts them; else ``Dim.DYNAMIC`` and torch's ranges."""
+) -> tuple[torch.export.ExportedProgram, ShapeModel]:
+    """Named dims, refined until torch accepts them; else ``Dim.DYNAMIC`` and torch's ranges.
+    Returns the program and the shape model without the guessed dims torch made constant."""
     named: tuple[Any, ...] | dict[str, Any] | list[Any] = shapes.to_dynamic_shapes(named=True, constants=constants)
     for _ in range(MAX_ATTEMPTS):
         try:
-            return _torch_export(module, example, named)
+            return _torch_export(module, example, named), shapes
         except ExportUserError as e:
             if not rejects_dims(str(e)):
                 raise
@@ -113,9 +117,9 @@ def _export(
         specialized = specializations(fixes)
         if specialized:
             try:
-                _keep_static(shapes, specialized, watch, notes)
+                shapes = _keep_static(shapes, specialized, watch, notes)
             except Specialized as pinned:
-                return _unnamed_export(module, shapes, example, constants, pinned, notes)
+                return _unnamed_export(module, pinned.shapes, example, constants, pinned, notes), pinned.shapes
             named = shapes.to_dynamic_shapes(named=True, constants=constants)
             continue
         try:
@@ -127,7 +131,7 @@ def _export(
         f"torch.export rejected the named dims ({first_line(str(rejection))}): exported with "
         "Dim.DYNAMIC dims, torch deriving their ranges"
     )
-    return _torch_export(module, example, shapes.to_dynamic_shapes(constants=constants))
+    return _torch_export(module, example, shapes.to_dynamic_shapes(constants=constants)), shapes
 
 
 def _unnamed_export(
@@ -171,8 +175,11 @@ def _check_bound(shapes: ShapeModel, name: str, upper: int, probe: SizeProbe | N
         raise Specialized(shapes, name, f"bounded to at most {upper} ({reached})", location, retrace=False)
 
 
-def _keep_static(shapes: ShapeModel, constants: dict[str, int], watch: SpecializationWatch, notes: list[str]) -> None:
-    """Make the guessed dims torch pins static; a demanded one raises :class:`Specialized`."""
+def _keep_static(
+    shapes: ShapeModel, constants: dict[str, int], watch: SpecializationWatch, notes: list[str],
+) -> ShapeModel:
+    """The shape model with the guessed dims torch pins static; a demanded one raises
+    :class:`Specialized` (holding the model with the guessed dims before it made static)."""
     for name, value in constants.items():
         var = next((v for v in shapes.variables if v.name == name), None)
         if var is None:
@@ -181,9 +188,10 @@ def _keep_static(shapes: ShapeModel, constants: dict[str, int], watch: Specializ
         location = watch.location_of(value, inputs)
         if var.demanded:
             raise Specialized(shapes, name, f"specialized to {value}", location)
-        shapes.drop(name)
+        shapes = shapes.without(name)
         where = f" at {location}" if location else ""
         notes.append(f"{name} kept static: torch.export specializes it to {value}{where}")
+    return shapes
 
 
 def _why(source: DimSource) -> str:

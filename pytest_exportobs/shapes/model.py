@@ -24,9 +24,10 @@ from .naming import name_variables
 from .standins import stand_in, stand_in_kind
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShapeModel:
-    """Dynamic dimensions of the flat inputs of a set of aligned calls."""
+    """Dynamic dimensions of the flat inputs of a set of aligned calls; never changed in place:
+    a refinement (:meth:`merged`, :meth:`derived`, :meth:`without`) is a new model."""
 
     aligned: AlignedCalls
     variables: list[Variable]
@@ -58,29 +59,34 @@ class ShapeModel:
         relations = name_variables(aligned, variables, relations, overrides, forced)
         return cls(aligned, variables, relations, notes)
 
-    def merge(self, name: str, into: str) -> None:
-        """Make variable ``name`` the same as ``into`` (torch.export proved them equal)."""
+    def merged(self, name: str, into: str) -> ShapeModel:
+        """Variable ``name`` the same as ``into`` (torch.export proved them equal)."""
         source = next((v for v in self.variables if v.name == name), None)
         target = next((v for v in self.variables if v.name == into), None)
         if source is None or target is None or source is target:
-            return
-        target.axes.extend(source.axes)
-        self.variables.remove(source)
-        self.relations = [r for r in self.relations if name not in (r.derived, *r.terms)]
+            return self
+        variables = [dataclasses.replace(v, axes=[*v.axes, *source.axes]) if v is target else v
+                     for v in self.variables if v is not source]
+        return dataclasses.replace(self, variables=variables, relations=self._relations_without(name))
 
-    def derive(self, name: str, relation: Relation) -> None:
-        """Make variable ``name`` follow ``relation`` from a new free variable without axes
+    def derived(self, name: str, relation: Relation) -> ShapeModel:
+        """Variable ``name`` following ``relation`` from a new free variable without axes
         (torch.export restricted it: ``height = 2*height_half``)."""
         var = next(v for v in self.variables if v.name == name)
         (free,) = relation.terms
         values = [None if v is None else v // relation.scale for v in var.values]
-        self.variables.append(Variable(free, [], values, list(var.stood_in), var.source))
-        self.relations = [relation, *(r for r in self.relations if r.derived != name)]
+        return dataclasses.replace(
+            self, variables=[*self.variables, Variable(free, [], values, list(var.stood_in), var.source)],
+            relations=[relation, *(r for r in self.relations if r.derived != name)],
+        )
 
-    def drop(self, name: str) -> None:
-        """Make variable ``name`` static again (eager or torch.export cannot vary it)."""
-        self.variables = [v for v in self.variables if v.name != name]
-        self.relations = [r for r in self.relations if name not in (r.derived, *r.terms)]
+    def without(self, name: str) -> ShapeModel:
+        """Variable ``name`` static again (eager or torch.export cannot vary it)."""
+        return dataclasses.replace(
+            self, variables=[v for v in self.variables if v.name != name], relations=self._relations_without(name))
+
+    def _relations_without(self, name: str) -> list[Relation]:
+        return [r for r in self.relations if name not in (r.derived, *r.terms)]
 
     # -- queries --------------------------------------------------------------------------------
     def variable_of(self, axis: Axis) -> Variable | None:
@@ -203,11 +209,10 @@ class ShapeModel:
             if reduced is None:
                 continue
             if (reduced.scale, reduced.constant, len(reduced.terms)) == (1, 0, 1):
-                projected.merge(reduced.derived, reduced.terms[0])
+                projected = projected.merged(reduced.derived, reduced.terms[0])
             else:
-                projected.relations.append(reduced)
-        _total_is_new_without_past(projected, by_name)
-        return projected
+                projected = dataclasses.replace(projected, relations=[*projected.relations, reduced])
+        return _total_is_new_without_past(projected, by_name)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-native summary (reports, baseline, xdist payloads)."""
@@ -222,7 +227,7 @@ class ShapeModel:
         }
 
 
-def _total_is_new_without_past(projected: ShapeModel, variables: dict[str, Variable]) -> None:
+def _total_is_new_without_past(projected: ShapeModel, variables: dict[str, Variable]) -> ShapeModel:
     """A graph with no past (no cache, no past length) reads the mask's total length as the new
     tokens (``input_ids``' length, or ``inputs_embeds``' in a graph without ids) when its calls
     agree, even where no relation was inferred (the other calls of the model gave a cache):
@@ -230,13 +235,13 @@ def _total_is_new_without_past(projected: ShapeModel, variables: dict[str, Varia
     by_role = {v.role: v for v in variables.values() if v.role in ("total_seq", "past_seq")}
     total = by_role.get("total_seq")
     if total is None or "past_seq" in by_role or total.name not in {v.name for v in projected.variables}:
-        return
+        return projected
     if any(r.derived == total.name or total.name in r.terms for r in projected.relations):
-        return
+        return projected
     for new in (v for v in variables.values() if v.role == "seq"):
         if all(t is None or n is None or t == n for t, n in zip(total.values, new.values)):
-            projected.merge(total.name, new.name)
-            return
+            return projected.merged(total.name, new.name)
+    return projected
 
 
 def _without_absent_terms(relation: Relation, variables: dict[str, Variable]) -> Relation | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -339,12 +340,23 @@ def test_without_forcing_a_constant_batch_stays_static() -> None:
     assert shapes.safe_call() == 0  # batch 1 is static: nothing to specialize
 
 
-def test_merging_a_variable_torch_proved_equal_moves_its_axes() -> None:
+def test_merging_a_variable_torch_proved_equal_moves_its_axes_in_a_new_model() -> None:
     shapes = shape_model([{"x": zeros(3, 4), "y": zeros(5)}, {"x": zeros(6, 2), "y": zeros(7)}])
-    shapes.merge("y_dim0", into="x_dim0")
-    assert shapes.leaf_axes() == [{0: "x_dim0", 1: "x_dim1"}, {0: "x_dim0"}]
-    shapes.merge("unknown", into="x_dim0")  # torch named a dim we do not have: nothing to do
-    assert [v.name for v in shapes.variables] == ["x_dim0", "x_dim1"]
+    merged = shapes.merged("y_dim0", into="x_dim0")
+    assert merged.leaf_axes() == [{0: "x_dim0", 1: "x_dim1"}, {0: "x_dim0"}]
+    assert merged.merged("unknown", into="x_dim0") is merged  # torch named a dim we do not have
+    assert [v.name for v in merged.variables] == ["x_dim0", "x_dim1"]
+    assert shapes.leaf_axes() == [{0: "x_dim0", 1: "x_dim1"}, {0: "y_dim0"}]  # the inferred model is intact
+    assert [v.axes for v in shapes.variables] == [[(0, 0)], [(0, 1)], [(1, 0)]]
+
+
+def test_a_graph_refines_its_own_projection_never_the_inferred_model() -> None:
+    shapes = shape_model([{"x": zeros(3, 4), "y": zeros(5)}, {"x": zeros(6, 2), "y": zeros(7)}])
+    projected = shapes.project([0, 1], {"x", "y"})
+    assert projected.without("x_dim1").merged("y_dim0", into="x_dim0").leaf_axes() == [{0: "x_dim0"}, {0: "x_dim0"}]
+    assert shapes.leaf_axes() == projected.leaf_axes() == [{0: "x_dim0", 1: "x_dim1"}, {0: "y_dim0"}]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shapes.variables = []  # type: ignore[misc]
 
 
 def test_recorded_bounds_leave_out_the_zero_of_an_empty_stand_in() -> None:

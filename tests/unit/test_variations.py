@@ -292,8 +292,8 @@ def test_derived_sizes_follow_their_expression() -> None:
         for side in (8, 12):
             model(torch.randn(1, 3, side, side))
     shapes = ShapeModel.from_aligned(observer.aligned())
-    shapes.derive("height", Relation("height", ("height_half",), scale=2))
-    assert complete_sizes(shapes, {"batch": 2, "height_half": 3, "width": 5})["height"] == 6
+    derived = shapes.derived("height", Relation("height", ("height_half",), scale=2))
+    assert complete_sizes(derived, {"batch": 2, "height_half": 3, "width": 5})["height"] == 6
 
 
 class ConvPair(torch.nn.Module):
