@@ -53,7 +53,7 @@ def suggested_fixes(message: str) -> list[tuple[str, str]]:
     return [(name.strip(), value.strip()) for name, _, value in pairs if name.strip().isidentifier()]
 
 
-def specializations(fixes: list[tuple[str, str]]) -> dict[str, int]:
+def pinned_sizes(fixes: list[tuple[str, str]]) -> dict[str, int]:
     """The suggested fixes that make a dim a constant: ``{"batch": 3}``."""
     return {name: int(value) for name, value in fixes if re.fullmatch(r"-?\d+", value)}
 

@@ -175,7 +175,7 @@ def _async_exception_after(seconds: float) -> Iterator[None]:
     target, lock, done = threading.get_ident(), threading.Lock(), threading.Event()
     set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
 
-    def watch() -> None:
+    def interrupt_when_due() -> None:
         wait = seconds
         while not done.wait(wait):
             with lock:
@@ -186,7 +186,7 @@ def _async_exception_after(seconds: float) -> Iterator[None]:
                     return
             wait = _RETRY
 
-    threading.Thread(target=watch, name="exportobs-timeout", daemon=True).start()
+    threading.Thread(target=interrupt_when_due, name="exportobs-timeout", daemon=True).start()
     try:
         yield
     finally:

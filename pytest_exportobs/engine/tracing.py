@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from ..compat.torch_private import DEFERRED_ASSERTS, ExportUserError, rnn_while_loops, size_oblivious
-from ..compat.torch_text import rejects_dims, specializations, suggested_fixes
+from ..compat.torch_text import pinned_sizes, rejects_dims, suggested_fixes
 from ..core.text import error_line, first_line
 from ..core.vocabulary import DimSource
 from ..shapes.model import ShapeModel
 from ..shapes.spec import spec_api, to_shapes_spec
 from .domain import program_shapes, static_axes, upper_bounds
 from .probe import SizeProbe
-from .watch import SpecializationWatch, watching
+from .specializations import SpecializationLog, logged_specializations
 
 MAX_ATTEMPTS = 4  # exports tried with refined dims before giving up on named dims
 SPEC_NOTE = "dims as a torch ShapesSpec"
@@ -69,17 +69,17 @@ def trace(
     ``probe`` finds eager reaching a size past the bound.  Returns the program, the form its
     dims were given in (``ShapesSpec`` or ``Dim``) and the shape model without the guessed dims
     torch made constant.  Raises :class:`Specialized`, or torch's error."""
-    with capturing(), watching() as watch:
+    with capturing(), logged_specializations() as specializations:
         program = _spec_export(module, shapes, example, constants, notes) if spec_api() is not None else None
         form = "Dim" if program is None else "ShapesSpec"
         if program is None:
-            program, shapes = _export(module, shapes, example, constants, watch, notes)
+            program, shapes = _export(module, shapes, example, constants, specializations, notes)
         read = program_shapes(program)
         for axis in static_axes(shapes, example.inputs, read):
-            shapes = _keep_static(shapes, {axis.variable.name: axis.value}, watch, notes)
+            shapes = _keep_static(shapes, {axis.variable.name: axis.value}, specializations, notes)
         for name, symbol, upper in upper_bounds(shapes, example.inputs, read, program.range_constraints):
             probe = replace(probe, shapes=shapes) if probe is not None else None
-            _check_bound(shapes, name, upper, probe, watch.bound_location(symbol))
+            _check_bound(shapes, name, upper, probe, specializations.bound_location(symbol))
         return program, form, shapes
 
 
@@ -100,7 +100,7 @@ def _spec_export(
 
 
 def _export(
-    module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, watch: SpecializationWatch,
+    module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, specializations: SpecializationLog,
     notes: list[str],
 ) -> tuple[torch.export.ExportedProgram, ShapeModel]:
     """Named dims, refined until torch accepts them; else ``Dim.DYNAMIC`` and torch's ranges.
@@ -114,10 +114,10 @@ def _export(
                 raise
             rejection = e
         fixes = suggested_fixes(rejection.msg)
-        specialized = specializations(fixes)
+        specialized = pinned_sizes(fixes)
         if specialized:
             try:
-                shapes = _keep_static(shapes, specialized, watch, notes)
+                shapes = _keep_static(shapes, specialized, specializations, notes)
             except Specialized as pinned:
                 return _unnamed_export(module, pinned.shapes, example, constants, pinned, notes), pinned.shapes
             named = shapes.to_dynamic_shapes(named=True, constants=constants)
@@ -176,7 +176,7 @@ def _check_bound(shapes: ShapeModel, name: str, upper: int, probe: SizeProbe | N
 
 
 def _keep_static(
-    shapes: ShapeModel, constants: dict[str, int], watch: SpecializationWatch, notes: list[str],
+    shapes: ShapeModel, constants: dict[str, int], specializations: SpecializationLog, notes: list[str],
 ) -> ShapeModel:
     """The shape model with the guessed dims torch pins static; a demanded one raises
     :class:`Specialized` (holding the model with the guessed dims before it made static)."""
@@ -185,7 +185,7 @@ def _keep_static(
         if var is None:
             continue
         inputs = sorted({shapes.aligned.leaf_slot(leaf).name for leaf, _ in var.axes})
-        location = watch.location_of(value, inputs)
+        location = specializations.location_of(value, inputs)
         if var.demanded:
             raise Specialized(shapes, name, f"specialized to {value}", location)
         shapes = shapes.without(name)

@@ -31,10 +31,10 @@ from pytest_exportobs.compat.torch_private import (
 from pytest_exportobs.compat.torch_text import (
     SHAPES_LOGGER,
     guard_added,
+    pinned_sizes,
     quoted_frames,
     raising_call,
     rejects_dims,
-    specializations,
     suggested_fixes,
     symbol_created,
     symbol_replaced,
@@ -150,7 +150,7 @@ def test_a_rejection_of_dims_and_its_fixes_are_read(captured: dict[str, Any]) ->
     message = captured["constraints_violated"]
     assert rejects_dims(message)
     assert suggested_fixes(message) == [("batch", "3")]
-    assert specializations(suggested_fixes(message)) == {"batch": 3}
+    assert pinned_sizes(suggested_fixes(message)) == {"batch": 3}
     assert not rejects_dims(captured["data_dependent"])
 
 

@@ -4,7 +4,7 @@ torch's "Constraints violated" message names the dimension and the constant, not
 forced it.  While tracing, torch logs each guard it adds and each symbol it replaces (logger
 ``torch.fx.experimental.symbolic_shapes``, level INFO); the records are emitted synchronously
 where the guard is added, so the innermost frame of user code on the live stack is the line
-responsible.  :class:`SpecializationWatch` keeps, for every symbol replaced by an integer, that
+responsible.  :class:`SpecializationLog` keeps, for every symbol replaced by an integer, that
 line and the input size the symbol stood for.
 """
 
@@ -30,8 +30,8 @@ class Specialization:
     location: str
 
 
-class SpecializationWatch(logging.Handler):
-    """A logging handler collecting :class:`Specialization` records (use :func:`watching`)."""
+class SpecializationLog(logging.Handler):
+    """A logging handler collecting :class:`Specialization` records (use :func:`logged_specializations`)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -73,17 +73,17 @@ class SpecializationWatch(logging.Handler):
 
 
 @contextmanager
-def watching() -> Iterator[SpecializationWatch]:
+def logged_specializations() -> Iterator[SpecializationLog]:
     """Collect specializations while the block traces.  The logger's INFO records go to the
-    watch alone (not to torch's console handler, nor pytest's): its handlers, level and
+    log alone (not to torch's console handler, nor pytest's): its handlers, level and
     propagation are restored after."""
     logger = logging.getLogger(SHAPES_LOGGER)
-    watch = SpecializationWatch()
+    log = SpecializationLog()
     saved = logger.handlers, logger.level, logger.propagate
-    logger.handlers, logger.propagate = [watch], False
+    logger.handlers, logger.propagate = [log], False
     logger.setLevel(min(logging.INFO, logger.getEffectiveLevel()))
     try:
-        yield watch
+        yield log
     finally:
         logger.handlers, logger.propagate = saved[0], saved[2]
         logger.setLevel(saved[1])
