@@ -91,3 +91,19 @@ class DimSource(StrEnum):
     OBSERVED = "observed"  # the tests varied it
     ROLE = "role"  # its role demands it (batch, sequence, cache length)
     GUESS = "guess"  # its role is a guess (a generic input)
+
+
+class StandIn(StrEnum):
+    """What an input absent from a call means, when its name says (the graph then takes it)."""
+
+    ONES = "ones"  # a mask: every position attended
+    ZEROS = "zeros"  # token types: the first segment
+    POSITIONS = "positions"  # position ids following the cache
+    EMPTY = "empty"  # a self-attention cache holding nothing yet
+
+
+class RefinementKind(StrEnum):
+    """What torch.export proved of a dynamic dimension (kept with an export in its cache)."""
+
+    MERGE = "merge"  # the same as another variable
+    SCALE = "scale"  # a multiple of a constant

@@ -21,6 +21,7 @@ from ..core.configuration import configuration_text
 from ..core.files import copy_atomic, write_atomic
 from ..core.versions import package_versions
 from ..shapes.model import ShapeModel
+from .domain import Refinement
 
 
 @dataclass
@@ -30,7 +31,7 @@ class CacheEntry:
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    refinements: list[list[Any]] = field(default_factory=list)  # what torch proved (engine.domain)
+    refinements: list[Refinement] = field(default_factory=list)  # what torch proved
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
 
 
@@ -74,7 +75,8 @@ class ExportCache:
             onnx_path.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(entry, onnx_path)
             return CacheEntry(
-                meta.get("opset"), meta.get("op_counts", {}), meta.get("notes", []), meta.get("refinements", []),
+                meta.get("opset"), meta.get("op_counts", {}), meta.get("notes", []),
+                [Refinement.from_json(r) for r in meta.get("refinements", [])],
                 meta.get("outputs", []),
             )
         except (OSError, ValueError, KeyError, TypeError):
@@ -84,7 +86,7 @@ class ExportCache:
         """Add ``onnx_path`` under ``key`` (atomically: a concurrent reader sees all or nothing)."""
         target = copy_atomic(onnx_path, self.directory / f"{key}.onnx")
         meta = {"sha256": _file_digest(target), "opset": entry.opset, "op_counts": entry.op_counts,
-                "notes": entry.notes, "refinements": entry.refinements, "outputs": entry.outputs}
+                "notes": entry.notes, "refinements": [r.to_json() for r in entry.refinements], "outputs": entry.outputs}
         write_atomic(self.directory / f"{key}.json", json.dumps(meta))
 
 

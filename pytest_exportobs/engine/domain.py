@@ -17,6 +17,7 @@ from typing import Any
 import sympy
 import torch
 
+from ..core.vocabulary import RefinementKind
 from ..shapes.dims import Relation, Variable
 from ..shapes.model import ShapeModel
 
@@ -106,17 +107,34 @@ def deferred_asserts(program: torch.export.ExportedProgram) -> list[sympy.Basic]
     return found
 
 
+@dataclass(frozen=True)
+class Refinement:
+    """What torch proved of variable ``name``: ``merge``, the same as variable ``value``;
+    ``scale``, a multiple of ``value``.  JSON (the export cache): ``[kind, name, value]``."""
+
+    kind: RefinementKind
+    name: str
+    value: str | int
+
+    def to_json(self) -> list[Any]:
+        return [str(self.kind), self.name, self.value]
+
+    @classmethod
+    def from_json(cls, data: list[Any]) -> Refinement:
+        kind, name, value = data
+        return cls(RefinementKind(kind), name, value)
+
+
 def refinements(
     shapes: ShapeModel, inputs: list[int], read: list[Shape], asserts: Sequence[sympy.Basic] = ()
-) -> tuple[dict[str, str], list[list[Any]]]:
+) -> tuple[dict[str, str], list[Refinement]]:
     """What torch proved or asserts about the variables, from the program's input shapes and
-    runtime asserts: variables whose axes share one symbol are equal (``["merge", name,
-    into]``), a variable whose axes read ``c*s``, or whose symbol torch asserts to be a multiple
-    of ``c``, is one (``["scale", name, c]``).  Also the name of every symbol and expression
-    (for the ONNX axis names)."""
+    runtime asserts: variables whose axes share one symbol are equal (``merge``), a variable
+    whose axes read ``c*s``, or whose symbol torch asserts to be a multiple of ``c``, is one
+    (``scale``).  Also the name of every symbol and expression (for the ONNX axis names)."""
     position = {leaf: i for i, leaf in enumerate(inputs)}
     names: dict[str, str] = {}
-    found: list[list[Any]] = []
+    found: list[Refinement] = []
     for var in shapes.variables:
         read_exprs = {read[position[leaf]][dim] for leaf, dim in var.axes if leaf in position}
         exprs = [e for e in read_exprs if isinstance(e, sympy.Expr) and not e.is_number]
@@ -126,28 +144,31 @@ def refinements(
         if isinstance(expr, sympy.Symbol):
             owner = names.setdefault(str(expr), var.name)
             if owner != var.name:
-                found.append(["merge", var.name, owner])
+                found.append(Refinement(RefinementKind.MERGE, var.name, owner))
             elif (divisor := _asserted_divisor(expr, asserts)) is not None:
-                found.append(["scale", var.name, divisor])
+                found.append(Refinement(RefinementKind.SCALE, var.name, divisor))
         elif scaled is not None:
             symbol, scale = scaled
             names.setdefault(str(symbol), _scaled_name(var.name, scale))
             names.setdefault(str(expr), var.name)
-            found.append(["scale", var.name, scale])
+            found.append(Refinement(RefinementKind.SCALE, var.name, scale))
     return names, found
 
 
-def apply_refinements(shapes: ShapeModel, found: list[list[Any]]) -> tuple[ShapeModel, list[str]]:
+def apply_refinements(shapes: ShapeModel, found: list[Refinement]) -> tuple[ShapeModel, list[str]]:
     """The shape model refined with :func:`refinements`, and one note per refinement."""
     notes = []
-    for kind, name, value in found:
-        if kind == "merge":
-            shapes = shapes.merged(name, into=value)
-            notes.append(f"torch.export proved {name} = {value}")
+    for refinement in found:
+        name = refinement.name
+        if refinement.kind == RefinementKind.MERGE:
+            into = str(refinement.value)
+            shapes = shapes.merged(name, into=into)
+            notes.append(f"torch.export proved {name} = {into}")
         else:
-            free = _scaled_name(name, value)
-            shapes = shapes.derived(name, Relation(name, (free,), scale=value))
-            notes.append(f"torch.export restricts {name} to multiples of {value}: {name} = {value}*{free}")
+            scale = int(refinement.value)
+            free = _scaled_name(name, scale)
+            shapes = shapes.derived(name, Relation(name, (free,), scale=scale))
+            notes.append(f"torch.export restricts {name} to multiples of {scale}: {name} = {scale}*{free}")
     return shapes, notes
 
 

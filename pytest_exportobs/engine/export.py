@@ -37,7 +37,16 @@ from ..shapes.model import ShapeModel
 from ..shapes.synthesis import example_leaves, free_variables
 from .bound import bind_constants
 from .cache import CacheEntry, ExportCache
-from .domain import Shape, apply_refinements, deferred_asserts, onnx_shapes, program_shapes, read_dims, refinements
+from .domain import (
+    Refinement,
+    Shape,
+    apply_refinements,
+    deferred_asserts,
+    onnx_shapes,
+    program_shapes,
+    read_dims,
+    refinements,
+)
 from .environment import EnvironmentProblem, writing
 from .probe import SizeProbe, leaves_at
 from .reasons import one_line_reason
@@ -70,7 +79,7 @@ class ExportOutcome(ExportFiles):
     bound: bool = False  # the exported module is a BoundConstants: its inputs are tensors only
     example: Example | None = None
     dims: dict[str, dict[str, str]] = field(default_factory=dict)
-    refinements: list[list[Any]] = field(default_factory=list)  # what torch proved (engine.domain)
+    refinements: list[Refinement] = field(default_factory=list)  # what torch proved
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
     shapes: ShapeModel | None = None  # the shape model as the export refined it
 

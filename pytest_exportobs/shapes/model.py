@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..core.text import identifier
+from ..core.vocabulary import StandIn
 from ..observe.alignment import AlignedCalls
 from .dims import Axis, Relation, Variable
 from .inference import AS_OBSERVED, DimPolicy, derive_relations, forced_batch_axes, infer_variables, role_relations
@@ -172,7 +173,7 @@ class ShapeModel:
             if kind is None:
                 missing = self.aligned.missing_dims[leaf]
                 shape[missing] = 0 if self.variable_of((leaf, missing)) else shape[missing]
-                kind = "zeros"
+                kind = StandIn.ZEROS
             leaves[leaf] = stand_in(kind, reference, shape, sizes.get(self._past_name(), 0))
         return leaves
 

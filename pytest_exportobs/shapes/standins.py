@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.vocabulary import StandIn
 from ..observe.alignment import AlignedCalls, Slot
 from .roles import cache_kind
 
@@ -18,24 +19,24 @@ ZEROS = ("token_type_ids",)
 POSITIONS = ("position_ids", "decoder_position_ids", "cache_position")
 
 
-def stand_in_kind(aligned: AlignedCalls, slot: Slot) -> str | None:
-    """``ones``, ``zeros``, ``positions`` or ``empty`` (a self-attention cache), else ``None``."""
+def stand_in_kind(aligned: AlignedCalls, slot: Slot) -> StandIn | None:
+    """What an absent ``slot`` means (a self-attention cache: ``empty``), else ``None``."""
     if slot.name in ONES:
-        return "ones"
+        return StandIn.ONES
     if slot.name in ZEROS:
-        return "zeros"
+        return StandIn.ZEROS
     if slot.name in POSITIONS:
-        return "positions"
+        return StandIn.POSITIONS
     if slot.leaf_names and all(cache_kind(aligned, leaf) == "self" for leaf in range(slot.start, slot.stop)):
-        return "empty"
+        return StandIn.EMPTY
     return None
 
 
-def stand_in(kind: str, reference: torch.Tensor, shape: list[int], past: int) -> torch.Tensor:
+def stand_in(kind: StandIn, reference: torch.Tensor, shape: list[int], past: int) -> torch.Tensor:
     """The value of an absent input of ``kind`` at ``shape`` (``past``: the cache length)."""
-    if kind == "ones":
+    if kind == StandIn.ONES:
         return torch.ones(shape, dtype=reference.dtype, device=reference.device)
-    if kind == "positions":
+    if kind == StandIn.POSITIONS:
         positions = torch.arange(past, past + (shape[-1] if shape else 1), device=reference.device)
         return positions.to(reference.dtype).expand(shape).clone()
     return torch.zeros(shape, dtype=reference.dtype, device=reference.device)

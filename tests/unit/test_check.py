@@ -327,6 +327,8 @@ def test_sides_torch_restricts_to_even_sizes_stay_even_in_variations(tmp_path: P
     assert sorted(result.relations) == ["height = 2*height_half", "width = 2*width_half"]
     tried = result.graphs[0].variations["examples"]
     assert len(tried) > 1 and all(set(sizes) == {"batch", "height_half", "width_half"} for sizes in tried)
+    cached = check_model(group, CheckSettings(export_dir=tmp_path, examples=12, hypothesis_seed=0))
+    assert cached.cache_hit and sorted(cached.relations) == sorted(result.relations)  # read back from the cache
 
 
 def test_a_dim_torch_turns_into_a_constant_fails_as_specialized_with_the_line(tmp_path: Path) -> None:

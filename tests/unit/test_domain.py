@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import sympy
 
-from pytest_exportobs.engine.domain import _asserted_divisor
+from pytest_exportobs.core.vocabulary import RefinementKind
+from pytest_exportobs.engine.domain import Refinement, _asserted_divisor
 
 s, b = sympy.Symbol("s76", integer=True, positive=True), sympy.Symbol("s6", integer=True, positive=True)
 floor = sympy.floor
@@ -25,3 +28,12 @@ floor = sympy.floor
 ], ids=["skip-connection", "two-strides-and-a-bound", "lower-bound", "wav2vec2", "other-dims"])
 def test_only_a_periodic_assert_restricts_a_dim_to_multiples(asserts: list[sympy.Basic], divisor: int | None) -> None:
     assert _asserted_divisor(s, asserts) == divisor
+
+
+def test_a_refinement_is_kept_in_the_export_cache_as_a_plain_list() -> None:
+    merge = Refinement(RefinementKind.MERGE, "y_dim0", "x_dim0")
+    assert json.dumps(merge.to_json()) == '["merge", "y_dim0", "x_dim0"]'
+    assert Refinement.from_json(json.loads(json.dumps(merge.to_json()))) == merge
+    assert Refinement.from_json(["scale", "height", 2]) == Refinement(RefinementKind.SCALE, "height", 2)
+    with pytest.raises(ValueError):
+        Refinement.from_json(["halve", "height", 2])  # a cache entry of another vocabulary: not read
