@@ -1,4 +1,4 @@
-"""The words a check's results are made of: verdicts, stages, failure kinds, dim sources.
+"""The words a check is made of: verdicts, stages, failure kinds, dim sources, axis roles, stand-ins, refinements.
 
 Each is a ``str`` enum: a member equals its text, so results read from JSON (plain strings)
 compare equal to members, and JSON written from results holds the plain text.
@@ -107,3 +107,17 @@ class RefinementKind(StrEnum):
 
     MERGE = "merge"  # the same as another variable
     SCALE = "scale"  # a multiple of a constant
+
+
+class AxisRole(StrEnum):
+    """What an input axis means; a variable is named after its role, or after the first of
+    its axes' roles in this order."""
+
+    BATCH = "batch"
+    SEQ = "seq"  # new tokens
+    PAST_SEQ = "past_seq"  # a cache's length
+    TOTAL_SEQ = "total_seq"  # a mask over the cache and the new tokens
+    ENCODER_SEQ = "encoder_seq"
+    HEIGHT = "height"
+    WIDTH = "width"
+    FRAMES = "frames"  # audio

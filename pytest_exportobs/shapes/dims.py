@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core.vocabulary import DimSource
+from ..core.vocabulary import AxisRole, DimSource
 
 Axis = tuple[int, int]  # (flat leaf index, dimension)
 
@@ -42,7 +42,7 @@ class Variable:
     values: list[int | None]
     stood_in: list[bool] = field(default_factory=list)  # the size is only an empty stand-in's 0
     source: DimSource = DimSource.OBSERVED
-    role: str | None = None
+    role: AxisRole | None = None
 
     @property
     def known(self) -> list[int]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.vocabulary import DimSource
+from ..core.vocabulary import AxisRole, DimSource
 from ..observe.alignment import AlignedCalls
 from .dims import Axis, Relation, Variable
 from .roles import Role, axis_roles, cache_kind
@@ -238,11 +238,12 @@ def role_relations(variables: list[Variable]) -> list[Relation]:
     call: what a mask covering the cache and the new tokens means, even when the calls never
     varied the two independently.  Of several variables of one role (the length of
     ``inputs_embeds`` in the calls without ``input_ids``), those known together in most calls."""
-    by_role: dict[str, list[int]] = {}
+    by_role: dict[AxisRole, list[int]] = {}
     for i, v in enumerate(variables):
         if v.role:
             by_role.setdefault(v.role, []).append(i)
-    triples = itertools.product(*(by_role.get(r, []) for r in ("total_seq", "past_seq", "seq")))
+    lengths = (AxisRole.TOTAL_SEQ, AxisRole.PAST_SEQ, AxisRole.SEQ)
+    triples = itertools.product(*(by_role.get(r, []) for r in lengths))
     rows, (total, past, seq) = max(
         ((_known_together(variables, triple), triple) for triple in triples), key=lambda found: len(found[0]),
         default=([], (0, 0, 0)),

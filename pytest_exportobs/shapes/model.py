@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..core.text import identifier
-from ..core.vocabulary import StandIn
+from ..core.vocabulary import AxisRole, StandIn
 from ..observe.alignment import AlignedCalls
 from .dims import Axis, Relation, Variable
 from .inference import AS_OBSERVED, DimPolicy, derive_relations, forced_batch_axes, infer_variables, role_relations
@@ -187,7 +187,7 @@ class ShapeModel:
         return sizes
 
     def _past_name(self) -> str:
-        return next((v.name for v in self.variables if v.role == "past_seq"), "")
+        return next((v.name for v in self.variables if v.role == AxisRole.PAST_SEQ), "")
 
     def project(self, calls: list[int], slots: Collection[str], strict: bool = True) -> ShapeModel:
         """This model on some calls and arguments (a graph of its own), absent inputs of known
@@ -233,13 +233,13 @@ def _total_is_new_without_past(projected: ShapeModel, variables: dict[str, Varia
     tokens (``input_ids``' length, or ``inputs_embeds``' in a graph without ids) when its calls
     agree, even where no relation was inferred (the other calls of the model gave a cache):
     Whisper's decoder had a free total_seq, variations fed masks longer than the ids."""
-    by_role = {v.role: v for v in variables.values() if v.role in ("total_seq", "past_seq")}
-    total = by_role.get("total_seq")
-    if total is None or "past_seq" in by_role or total.name not in {v.name for v in projected.variables}:
+    by_role = {v.role: v for v in variables.values() if v.role in (AxisRole.TOTAL_SEQ, AxisRole.PAST_SEQ)}
+    total = by_role.get(AxisRole.TOTAL_SEQ)
+    if total is None or AxisRole.PAST_SEQ in by_role or total.name not in {v.name for v in projected.variables}:
         return projected
     if any(r.derived == total.name or total.name in r.terms for r in projected.relations):
         return projected
-    for new in (v for v in variables.values() if v.role == "seq"):
+    for new in (v for v in variables.values() if v.role == AxisRole.SEQ):
         if all(t is None or n is None or t == n for t, n in zip(total.values, new.values)):
             return projected.merged(total.name, new.name)
     return projected

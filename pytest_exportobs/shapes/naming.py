@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..core.text import identifier
+from ..core.vocabulary import AxisRole
 from ..observe.alignment import AlignedCalls
 from .dims import Axis, Relation, Variable
 from .roles import Role, axis_roles
@@ -17,7 +18,7 @@ def name_variables(
     taken: set[str] = set()
     roles = axis_roles(aligned, generic=False)
     for var in variables:
-        name = "batch" if forced & set(var.axes) else default_name(aligned, var, roles)
+        name = AxisRole.BATCH.value if forced & set(var.axes) else default_name(aligned, var, roles)
         if name in taken and var.role == name:  # a second variable of one role: named by its axis
             name = generic_name(aligned, var)
         while name in taken:
@@ -56,14 +57,14 @@ def default_name(aligned: AlignedCalls, var: Variable, roles: dict[Axis, Role]) 
     """Readable name of a variable: its role, else the preferred role among its axes (as
     transformers names them), ``batch`` for first axes of several inputs, else ``input_dimN``."""
     if var.role:
-        return var.role
+        return var.role.value
     names = [roles[axis].name for axis in var.axes if axis in roles]
-    for preferred in ("batch", "seq", "past_seq", "total_seq", "encoder_seq", "height", "width", "frames"):
+    for preferred in AxisRole:  # as transformers prefers them
         if preferred in names:
-            return preferred
+            return preferred.value
     leaf, dim = var.axes[0]
     if dim == 0 and len({aligned.leaf_slot(leaf).name for leaf, d in var.axes if d == 0}) > 1:
-        return "batch"
+        return AxisRole.BATCH.value
     return generic_name(aligned, var)
 
 

@@ -15,10 +15,11 @@ import torch
 from torch.utils import _pytree
 
 from ..core.trees import spec_children
+from ..core.vocabulary import AxisRole, StrEnum
 from ..observe.alignment import AlignedCalls
 from .dims import Axis
 
-DEMANDED = ("batch", "seq", "past_seq", "total_seq", "encoder_seq", "frames")
+DEMANDED = (AxisRole.BATCH, AxisRole.SEQ, AxisRole.PAST_SEQ, AxisRole.TOTAL_SEQ, AxisRole.ENCODER_SEQ, AxisRole.FRAMES)
 CACHE_SLOTS = ("past_key_values", "cache", "past", "past_key_value", "cache_params")
 # caches whose length is their fixed allocation (max_cache_len), not the past sequence
 STATIC_CACHES = ("StaticCache", "HybridCache", "SlidingWindowCache", "HybridChunkedCache", "OffloadedStaticCache")
@@ -26,35 +27,45 @@ ENCODER_DECODER_SLOTS = (
     "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask", "encoder_outputs",
     "encoder_hidden_states",
 )
-# name -> {axis: role}; "text" stands for seq in a decoder and encoder_seq in an encoder-decoder
-KNOWN_INPUTS: dict[str, dict[int, str]] = {
-    "input_ids": {0: "batch", 1: "text"},
-    "inputs_embeds": {0: "batch", 1: "text"},
-    "token_type_ids": {0: "batch", 1: "text"},
-    "position_ids": {0: "batch", 1: "seq"},
-    "attention_mask": {0: "batch", 1: "mask"},
-    "labels": {0: "batch", 1: "seq"},
-    "decoder_input_ids": {0: "batch", 1: "seq"},
-    "decoder_inputs_embeds": {0: "batch", 1: "seq"},
-    "decoder_position_ids": {0: "batch", 1: "seq"},
-    "decoder_attention_mask": {0: "batch", 1: "decoder_mask"},
-    "encoder_outputs": {0: "batch", 1: "encoder_seq"},
-    "encoder_hidden_states": {0: "batch", 1: "encoder_seq"},
-    "encoder_attention_mask": {0: "batch", 1: "encoder_seq"},
-    "cache_position": {0: "seq"},
-    "pixel_values": {0: "batch", 2: "height", 3: "width"},
-    "pixel_mask": {0: "batch", 1: "height", 2: "width"},
-    "input_features": {0: "batch", 2: "frames"},
-    "input_values": {0: "batch", 1: "frames"},
+
+
+class Spelling(StrEnum):
+    """An axis whose role depends on the call (see :func:`_known_roles`)."""
+
+    TEXT = "text"  # seq in a decoder, encoder_seq in an encoder-decoder
+    MASK = "mask"  # the text's, or total_seq when the mask covers a cache
+    DECODER_MASK = "decoder_mask"  # seq, or total_seq when it covers a cache
+
+
+# name -> {axis: role}
+KNOWN_INPUTS: dict[str, dict[int, AxisRole | Spelling]] = {
+    "input_ids": {0: AxisRole.BATCH, 1: Spelling.TEXT},
+    "inputs_embeds": {0: AxisRole.BATCH, 1: Spelling.TEXT},
+    "token_type_ids": {0: AxisRole.BATCH, 1: Spelling.TEXT},
+    "position_ids": {0: AxisRole.BATCH, 1: AxisRole.SEQ},
+    "attention_mask": {0: AxisRole.BATCH, 1: Spelling.MASK},
+    "labels": {0: AxisRole.BATCH, 1: AxisRole.SEQ},
+    "decoder_input_ids": {0: AxisRole.BATCH, 1: AxisRole.SEQ},
+    "decoder_inputs_embeds": {0: AxisRole.BATCH, 1: AxisRole.SEQ},
+    "decoder_position_ids": {0: AxisRole.BATCH, 1: AxisRole.SEQ},
+    "decoder_attention_mask": {0: AxisRole.BATCH, 1: Spelling.DECODER_MASK},
+    "encoder_outputs": {0: AxisRole.BATCH, 1: AxisRole.ENCODER_SEQ},
+    "encoder_hidden_states": {0: AxisRole.BATCH, 1: AxisRole.ENCODER_SEQ},
+    "encoder_attention_mask": {0: AxisRole.BATCH, 1: AxisRole.ENCODER_SEQ},
+    "cache_position": {0: AxisRole.SEQ},
+    "pixel_values": {0: AxisRole.BATCH, 2: AxisRole.HEIGHT, 3: AxisRole.WIDTH},
+    "pixel_mask": {0: AxisRole.BATCH, 1: AxisRole.HEIGHT, 2: AxisRole.WIDTH},
+    "input_features": {0: AxisRole.BATCH, 2: AxisRole.FRAMES},
+    "input_values": {0: AxisRole.BATCH, 1: AxisRole.FRAMES},
 }
 # inputs whose layout depends on their rank: a 4-D mask is (batch, heads, query, key), multiple-choice
 # token ids are (batch, choices, seq)
-KNOWN_BY_RANK: dict[tuple[str, int], dict[int, str]] = {
-    ("attention_mask", 4): {0: "batch", 2: "text", 3: "mask"},
-    ("decoder_attention_mask", 4): {0: "batch", 2: "seq", 3: "decoder_mask"},
-    ("input_ids", 3): {0: "batch", 2: "text"},
-    ("token_type_ids", 3): {0: "batch", 2: "text"},
-    ("attention_mask", 3): {0: "batch", 2: "mask"},
+KNOWN_BY_RANK: dict[tuple[str, int], dict[int, AxisRole | Spelling]] = {
+    ("attention_mask", 4): {0: AxisRole.BATCH, 2: Spelling.TEXT, 3: Spelling.MASK},
+    ("decoder_attention_mask", 4): {0: AxisRole.BATCH, 2: AxisRole.SEQ, 3: Spelling.DECODER_MASK},
+    ("input_ids", 3): {0: AxisRole.BATCH, 2: Spelling.TEXT},
+    ("token_type_ids", 3): {0: AxisRole.BATCH, 2: Spelling.TEXT},
+    ("attention_mask", 3): {0: AxisRole.BATCH, 2: Spelling.MASK},
 }
 
 
@@ -62,7 +73,7 @@ KNOWN_BY_RANK: dict[tuple[str, int], dict[int, str]] = {
 class Role:
     """What an axis means; ``demanded``: dynamic by default."""
 
-    name: str
+    name: AxisRole
     demanded: bool = True
 
 
@@ -86,21 +97,23 @@ def _known_roles(aligned: AlignedCalls, leaf: int, encoder_decoder: bool, covers
     rank = _rank(aligned, leaf)
     cache = cache_kind(aligned, leaf)
     if cache is not None:
-        length = {"self": "past_seq", "cross": "encoder_seq", "static": None}[cache]
-        axes = {0: "batch", 2: length} if rank == 4 else {0: "batch"}
+        length = {"self": AxisRole.PAST_SEQ, "cross": AxisRole.ENCODER_SEQ, "static": None}[cache]
+        axes = {0: AxisRole.BATCH, 2: length} if rank == 4 else {0: AxisRole.BATCH}
         return {(leaf, dim): Role(name) for dim, name in axes.items() if name}
     slot_of = aligned.leaf_slot(leaf)
     slot = slot_of.name
     if leaf != slot_of.start:
         return {}  # a nest's other leaves (encoder_outputs.hidden_states, .attentions) have layouts of their own
+    text = AxisRole.ENCODER_SEQ if encoder_decoder else AxisRole.SEQ
     spelled = {
-        "text": "encoder_seq" if encoder_decoder else "seq",
-        "mask": "encoder_seq" if encoder_decoder else ("total_seq" if covers_past else "seq"),
-        "decoder_mask": "total_seq" if covers_past else "seq",
+        Spelling.TEXT: text,
+        Spelling.MASK: text if encoder_decoder else (AxisRole.TOTAL_SEQ if covers_past else AxisRole.SEQ),
+        Spelling.DECODER_MASK: AxisRole.TOTAL_SEQ if covers_past else AxisRole.SEQ,
     }
     known = KNOWN_BY_RANK.get((slot, rank)) or KNOWN_INPUTS.get(slot, {})
     return {
-        (leaf, dim): Role(spelled.get(name, name), name not in ("height", "width"))
+        (leaf, dim): Role(spelled[name] if isinstance(name, Spelling) else name,
+                          name not in (AxisRole.HEIGHT, AxisRole.WIDTH))
         for dim, name in known.items() if dim < rank
     }
 
@@ -127,7 +140,7 @@ def _generic_roles(aligned: AlignedCalls, known: dict[Axis, Role]) -> dict[Axis,
         leaf for leaf in range(len(aligned.leaf_names))
         if aligned.is_tensor_leaf(leaf) and not any(axis[0] == leaf for axis in known) and _rank(aligned, leaf) >= 1
     ]
-    batch = _batch_sizes(aligned, [axis for axis, role in known.items() if role.name == "batch"] or
+    batch = _batch_sizes(aligned, [axis for axis, role in known.items() if role.name == AxisRole.BATCH] or
                          [(leaf, 0) for leaf in generic if _rank(aligned, leaf) >= 2][:1])
     roles: dict[Axis, Role] = {}
     for leaf in generic:
@@ -136,13 +149,13 @@ def _generic_roles(aligned: AlignedCalls, known: dict[Axis, Role]) -> dict[Axis,
         rank, dtype = _rank(aligned, leaf), aligned.reference_tensor(leaf).dtype
         if rank == 1 and dtype.is_floating_point and len(set(batch) - {None}) < 2:
             continue  # a float vector of the batch's size in every call may be a coincidence; a target is not
-        roles[(leaf, 0)] = Role("batch")
+        roles[(leaf, 0)] = Role(AxisRole.BATCH)
         if rank == 2 and not dtype.is_floating_point:
-            roles[(leaf, 1)] = Role("seq")
+            roles[(leaf, 1)] = Role(AxisRole.SEQ)
         elif rank == 3 and dtype.is_floating_point:
-            roles[(leaf, 1)] = Role("seq", demanded=False)
+            roles[(leaf, 1)] = Role(AxisRole.SEQ, demanded=False)
         elif rank == 4 and dtype.is_floating_point:
-            roles[(leaf, 2)], roles[(leaf, 3)] = Role("height", False), Role("width", False)
+            roles[(leaf, 2)], roles[(leaf, 3)] = Role(AxisRole.HEIGHT, False), Role(AxisRole.WIDTH, False)
     return roles
 
 
