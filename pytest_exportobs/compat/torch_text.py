@@ -74,7 +74,7 @@ def quoted_frames(message: str) -> list[tuple[str, int]]:
 def translated_op(message: str) -> str | None:
     """The op whose ONNX translation failed (``aten.nll_loss_nd.default``), from torch.onnx's
     'Error when translating node ... target=torch.ops.<op>'."""
-    found = re.search(r"target=torch\.ops\.([\w.]+)", message)
+    found = re.search(r"Error when translating node .*?target=torch\.ops\.([\w.]+)", message)
     return found[1] if found else None
 
 

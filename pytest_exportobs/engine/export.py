@@ -69,6 +69,7 @@ class ExportOutcome(ExportFiles):
 
     ok: bool
     stage: Stage
+    shapes: ShapeModel  # the shape model, as far as the export refined it
     kind: Kind | str = ""
     error_type: str = ""
     reason: str = ""
@@ -81,7 +82,6 @@ class ExportOutcome(ExportFiles):
     dims: dict[str, dict[str, str]] = field(default_factory=dict)
     refinements: list[Refinement] = field(default_factory=list)  # what torch proved
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
-    shapes: ShapeModel | None = None  # the shape model as the export refined it
 
 
 class StageFailed(Exception):

@@ -147,8 +147,7 @@ class GraphCheck:
         ))
         result.timings.update(outcome.timings)
         result.notes.extend(outcome.notes)
-        if outcome.shapes is not None:
-            self.shapes = outcome.shapes  # as the export refined it
+        self.shapes = outcome.shapes  # as the export refined it
         summary = self.shapes.to_json()
         result.relations, result.bounds = summary["relations"], summary["bounds"]
         result.dim_sources = {v.name: v.source for v in self.shapes.variables if v.axes}

@@ -45,9 +45,10 @@ class SpecializationLog(logging.Handler):
             self.sources[symbol] = size
         elif guard := guard_added(record):
             location = user_location()
-            for symbol in self.sources if location else ():
-                if _mentions(guard, symbol):
-                    self.guards.setdefault(symbol, []).append((guard, location))
+            if location:
+                for symbol in self.sources:
+                    if _mentions(guard, symbol):
+                        self.guards.setdefault(symbol, []).append((guard, location))
         elif replaced := symbol_replaced(record):
             symbol, value = replaced
             last = self.guards.get(symbol, [("", "")])[-1][1]

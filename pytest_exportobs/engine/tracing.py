@@ -77,8 +77,8 @@ def trace(
         read = program_shapes(program)
         for axis in static_axes(shapes, example.inputs, read):
             shapes = _keep_static(shapes, {axis.variable.name: axis.value}, specializations, notes)
+        probe = replace(probe, shapes=shapes) if probe is not None else None
         for name, symbol, upper in upper_bounds(shapes, example.inputs, read, program.range_constraints):
-            probe = replace(probe, shapes=shapes) if probe is not None else None
             _check_bound(shapes, name, upper, probe, specializations.bound_location(symbol))
         return program, form, shapes
 

@@ -175,6 +175,7 @@ def test_the_call_a_data_dependent_guard_raised_in_is_read(captured: dict[str, A
 def test_the_op_whose_translation_failed_is_read(captured: dict[str, Any]) -> None:
     assert translated_op(captured["untranslatable"]) == "exportobs_capture.opaque.default"
     assert translated_op(captured["constraints_violated"]) is None
+    assert translated_op("call_function[target=torch.ops.aten.add.Tensor]") is None  # no translation error
 
 
 def test_onnxruntimes_missing_kernels_are_read(captured: dict[str, Any]) -> None:
