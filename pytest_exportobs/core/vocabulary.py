@@ -103,10 +103,11 @@ class StandIn(StrEnum):
 
 
 class RefinementKind(StrEnum):
-    """What torch.export proved of a dynamic dimension (kept with an export in its cache)."""
+    """What an export established of a dynamic dimension (kept with the export in its cache)."""
 
     MERGE = "merge"  # the same as another variable
     SCALE = "scale"  # a multiple of a constant
+    SPLIT = "split"  # some of its axes a length of their own (a sliding window's layers)
 
 
 class AxisRole(StrEnum):

@@ -18,7 +18,7 @@ import sympy
 import torch
 
 from ..core.vocabulary import RefinementKind
-from ..shapes.dims import Relation, Variable
+from ..shapes.dims import Axis, Relation, Variable
 from ..shapes.model import ShapeModel
 
 Shape = tuple[Any, ...]  # per axis: an int (static) or a sympy expression / ONNX dim name
@@ -109,20 +109,25 @@ def deferred_asserts(program: torch.export.ExportedProgram) -> list[sympy.Basic]
 
 @dataclass(frozen=True)
 class Refinement:
-    """What torch proved of variable ``name``: ``merge``, the same as variable ``value``;
-    ``scale``, a multiple of ``value``.  JSON (the export cache): ``[kind, name, value]``."""
+    """What the export established of variable ``name``: ``merge``, the same as variable
+    ``value`` (torch proved it); ``scale``, a multiple of ``value`` (torch proved it); ``split``,
+    its ``axes`` a length of their own, at most ``value`` (the model's next step holds them at
+    torch's bound: a sliding window).  JSON (the export cache): ``[kind, name, value]``, and the
+    axes of a split."""
 
     kind: RefinementKind
     name: str
     value: str | int
+    axes: tuple[Axis, ...] = ()
 
     def to_json(self) -> list[Any]:
-        return [str(self.kind), self.name, self.value]
+        axes = [[[leaf, dim] for leaf, dim in self.axes]] if self.axes else []
+        return [str(self.kind), self.name, self.value, *axes]
 
     @classmethod
     def from_json(cls, data: list[Any]) -> Refinement:
-        kind, name, value = data
-        return cls(RefinementKind(kind), name, value)
+        kind, name, value, *axes = data
+        return cls(RefinementKind(kind), name, value, *(tuple((leaf, dim) for leaf, dim in a) for a in axes))
 
 
 def refinements(
@@ -164,12 +169,25 @@ def apply_refinements(shapes: ShapeModel, found: list[Refinement]) -> tuple[Shap
             into = str(refinement.value)
             shapes = shapes.merged(name, into=into)
             notes.append(f"torch.export proved {name} = {into}")
+        elif refinement.kind == RefinementKind.SPLIT:
+            held, limit = window_name(name), int(refinement.value)
+            shapes = shapes.split(name, refinement.axes, held, limit)
+            axes = ", ".join(f"{shapes.aligned.leaf_names[leaf]}.{dim}" for leaf, dim in refinement.axes)
+            notes.append(f"{held} ({axes}) a length apart from {name}, {held} = min({name}, {limit}): the"
+                         f" model's own next step holds those axes at {limit} where the others go past it"
+                         " (a sliding window)")
         else:
-            scale = int(refinement.value)
+            assert isinstance(refinement.value, int)
+            scale = refinement.value
             free = _scaled_name(name, scale)
             shapes = shapes.derived(name, Relation(name, (free,), scale=scale))
             notes.append(f"torch.export restricts {name} to multiples of {scale}: {name} = {scale}*{free}")
     return shapes, notes
+
+
+def window_name(name: str) -> str:
+    """The variable a sliding window's axes of variable ``name`` become."""
+    return f"{name}_window"
 
 
 def _scaled_name(name: str, scale: int) -> str:

@@ -51,7 +51,7 @@ from .environment import EnvironmentProblem, writing
 from .probe import SizeProbe, leaves_at
 from .reasons import one_line_reason
 from .result import ExportFiles
-from .tracing import Example, Specialized, trace
+from .tracing import Example, Specialized, Traced, trace
 from .verify import Tolerance, compare
 
 MAX_RETRACES = 2  # recorded calls of other sizes traced when torch pins a dim at the example's size
@@ -133,10 +133,11 @@ def export_model(
             return outcome
     try:
         with stages.run(Stage.TORCH_EXPORT):
-            program, outcome.dims_form, shapes = _trace(exported, shapes, outcome, probe)
+            traced = _trace(exported, shapes, outcome, probe)
+        program, outcome.dims_form, shapes = traced.program, traced.form, traced.shapes
         outcome.program = program
         outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
-        shapes, names = _refine(shapes, program_shapes(program), outcome)
+        shapes, names = _refine(shapes, program_shapes(program), traced.splits, outcome)
         if target == "torch":
             outcome.dims = read_dims(shapes, outcome.example.inputs, program_shapes(program), names)
             _save_program(program, onnx_path.with_suffix(".pt2"), outcome)
@@ -162,7 +163,7 @@ def _store_cached(cache: ExportCache, key: str, onnx_path: Path, outcome: Export
 
 def _trace(
     module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, probe: SizeProbe | None,
-) -> tuple[Any, str, ShapeModel]:
+) -> Traced:
     """:func:`~.tracing.trace` on the example; when torch pins a dim at the size the example
     happens to have (a size the model treats specially: DINOv2 skips its position interpolation
     at the config's image size), traced again on recorded calls of other sizes, then on inputs
@@ -182,7 +183,7 @@ def _trace(
             except Specialized as again:
                 outcome.shapes = shapes = again.shapes
                 continue
-            if not _reproduces(found[0], module, outcome.example):
+            if not _reproduces(found.program, module, outcome.example):
                 break  # the size is special for the model, not only for the trace: the pin stands
             outcome.example = example
             outcome.notes.append(f"traced on {what}: on the first example torch pinned {pinned}")
@@ -251,13 +252,17 @@ def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> Example:
     return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
 
 
-def _refine(shapes: ShapeModel, read: list[Shape], outcome: ExportOutcome) -> tuple[ShapeModel, dict[str, str]]:
+def _refine(
+    shapes: ShapeModel, read: list[Shape], splits: list[Refinement], outcome: ExportOutcome,
+) -> tuple[ShapeModel, dict[str, str]]:
     """The shape model refined from the program's input shapes (also ``outcome.shapes``), and
-    the names of its symbols."""
+    the names of its symbols; ``outcome.refinements`` are the ``splits`` tracing made (already in
+    ``shapes``) and what the program proves."""
     assert outcome.example is not None
     inputs = outcome.example.inputs
-    names, outcome.refinements = refinements(shapes, inputs, read, deferred_asserts(outcome.program))
-    shapes, notes = apply_refinements(shapes, outcome.refinements)
+    names, proved = refinements(shapes, inputs, read, deferred_asserts(outcome.program))
+    outcome.refinements = [*splits, *proved]
+    shapes, notes = apply_refinements(shapes, proved)
     outcome.shapes = shapes
     outcome.notes.extend(notes)
     for var in shapes.variables:  # every other symbol of an input axis is named after its variable

@@ -6,8 +6,9 @@ models cannot take another size (a reshape to the batch they were written for): 
 and such a dim is kept static, with a note, rather than blamed on the export.
 
 When torch bounds a dim, :class:`SizeProbe` tells whether the model reaches a size past the bound:
-on inputs synthesized there, or by its own next step (a sliding-window cache holds fewer entries
-than the sequence once the window is full, a state no synthesized input has).
+on inputs synthesized there, or by its own next step.  A step may part the dim's axes: the layers
+of a sliding window hold the bound (the window) while the full layers go past it, a state no
+synthesized input has; :class:`Reach` names the axes held.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.utils import _pytree
 
 from ..core.trees import detached_clone
 from ..core.vocabulary import DimSource
+from ..shapes.dims import Axis
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import build_leaves, complete_sizes, export_sizes, free_variables
 from .eager import ModelRaised
@@ -47,6 +49,15 @@ def probe_unvaried_dims(shapes: ShapeModel, eager: Eager, notes: list[str]) -> S
     return probed
 
 
+@dataclass(frozen=True)
+class Reach:
+    """How eager reaches a size past a bound, said for a reason; ``held``: the axes of the
+    variable the model's own next step keeps at the bound while its other axes go past it."""
+
+    how: str
+    held: tuple[Axis, ...] = ()
+
+
 @dataclass
 class SizeProbe:
     """Eager (``eager`` runs the model on flat leaves of ``shapes``' calls) at sizes of one variable."""
@@ -58,16 +69,16 @@ class SizeProbe:
         """Whether eager runs on inputs synthesized with variable ``name`` at ``size``."""
         return _rejection(self.shapes, self.eager, {name: size}) is None
 
-    def reaches(self, name: str, size: int) -> str | None:
-        """How eager reaches variable ``name`` at ``size`` or past it, said for a reason; ``None``
-        when it does not (a position table, a static cache's length: the model's own limit)."""
+    def reaches(self, name: str, size: int) -> Reach | None:
+        """How eager reaches variable ``name`` at ``size`` or past it; ``None`` when it does not
+        (a position table, a static cache's length: the model's own limit)."""
         if self.accepts(name, size):
-            return f"eager runs {name}={size}"
+            return Reach(f"eager runs {name}={size}")
         return self._next_step(name, size - 1)
 
-    def _next_step(self, name: str, before: int) -> str | None:
+    def _next_step(self, name: str, before: int) -> Reach | None:
         """From inputs at ``name`` = ``before``, the model's next call on the cache it returned:
-        what the step reaches, where the cache's own sizes part from the variable."""
+        what the step reaches, and the axes it holds at ``before`` while others go past."""
         var = next(v for v in self.shapes.variables if v.name == name)
         slots = {self.shapes.aligned.leaf_slot(leaf) for leaf, _ in var.axes}
         carried = [slot for slot in slots if slot.spec is not None and not slot.spec.is_leaf()
@@ -90,10 +101,13 @@ class SizeProbe:
             self.eager(step)
         except ModelRaised:  # the step past the bound fails: the model's own limit
             return None
-        apart = sorted({f"{self.shapes.aligned.leaf_names[leaf]} holds {step[leaf].shape[dim]}"
-                        for leaf, dim in var.axes if step[leaf].shape[dim] != after})
-        return f"the model's own next step from {name}={before} reaches {name}={after}" + (
-            f", where {', '.join(apart)}" if apart else "")
+        sizes = {axis: step[axis[0]].shape[axis[1]] for axis in var.axes}
+        apart = sorted({f"{self.shapes.aligned.leaf_names[leaf]} holds {size}"
+                        for (leaf, _), size in sizes.items() if size != after})
+        held = tuple(sorted(axis for axis, size in sizes.items() if size == before))
+        windowed = all(size in (before, after) for size in sizes.values())
+        return Reach(f"the model's own next step from {name}={before} reaches {name}={after}" + (
+            f", where {', '.join(apart)}" if apart else ""), held if windowed else ())
 
 
 def _leaves_of(outputs: Any, spec: _pytree.TreeSpec) -> list[Any] | None:

@@ -5,7 +5,9 @@ keep a dim dynamic are taken: an equality (``encoder_seq = seq``), a derived dim
 (``height = 2*_height``), a range (``seq <= 128``).  A fix making a dim a constant (``batch = 2``)
 is never taken for a dim a deployment needs: that is a :class:`Specialized` failure naming the
 dim, the constant and the user's line that forced it.  A guessed dim (a generic input's second
-axis) is made static instead, with a note.
+axis) is made static instead, with a note.  A bound torch puts on a dim is the model's limit, a
+failure, or a sliding window: the model's own next step holds some of the dim's axes at the
+bound while the others go on, and those axes get a length of their own.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ import torch
 from ..compat.torch_private import DEFERRED_ASSERTS, ExportUserError, rnn_while_loops, size_oblivious
 from ..compat.torch_text import pinned_sizes, rejects_dims, suggested_fixes
 from ..core.text import error_line, first_line
-from ..core.vocabulary import DimSource
+from ..core.vocabulary import DimSource, RefinementKind
 from ..shapes.model import ShapeModel
 from ..shapes.spec import spec_api, to_shapes_spec
-from .domain import program_shapes, static_axes, upper_bounds
+from .domain import Refinement, apply_refinements, program_shapes, static_axes, upper_bounds
 from .probe import SizeProbe
 from .specializations import SpecializationLog, logged_specializations
 
@@ -58,29 +60,46 @@ class Example:
         return [leaf for leaf, value in enumerate(self.leaves) if isinstance(value, torch.Tensor)]
 
 
+@dataclass
+class Traced:
+    """What :func:`trace` made: the program, the form its dims were given in (``ShapesSpec`` or
+    ``Dim``), the shape model as refined on the way, and the variables split there (a sliding
+    window's axes held apart from the others: :func:`_check_bound`)."""
+
+    program: torch.export.ExportedProgram
+    form: str
+    shapes: ShapeModel
+    splits: list[Refinement]
+
+
 def trace(
     module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, notes: list[str],
     probe: SizeProbe | None,
-) -> tuple[torch.export.ExportedProgram, str, ShapeModel]:
+) -> Traced:
     """``torch.export.export`` of ``module`` on the example with the shape model's named dims,
     refined with torch's suggested fixes, captured as ``torch.onnx.export`` captures (see
     :func:`capturing`).  A dim the program still has as a constant is checked like a suggested
     constant; a demanded dim torch bounds above is a :class:`Specialized` failure when the
-    ``probe`` finds eager reaching a size past the bound.  Returns the program, the form its
-    dims were given in (``ShapesSpec`` or ``Dim``) and the shape model without the guessed dims
-    torch made constant.  Raises :class:`Specialized`, or torch's error."""
+    ``probe`` finds eager reaching a size past the bound, or exported again split where the
+    model's own next step holds some of its axes at the bound.  Raises :class:`Specialized`, or
+    torch's error."""
+    splits: list[Refinement] = []
     with capturing(), logged_specializations() as specializations:
-        program = _spec_export(module, shapes, example, constants, notes) if spec_api() is not None else None
-        form = "Dim" if program is None else "ShapesSpec"
-        if program is None:
-            program, shapes = _export(module, shapes, example, constants, specializations, notes)
-        read = program_shapes(program)
-        for axis in static_axes(shapes, example.inputs, read):
-            shapes = _keep_static(shapes, {axis.variable.name: axis.value}, specializations, notes)
-        probe = replace(probe, shapes=shapes) if probe is not None else None
-        for name, symbol, upper in upper_bounds(shapes, example.inputs, read, program.range_constraints):
-            _check_bound(shapes, name, upper, probe, specializations.bound_location(symbol))
-        return program, form, shapes
+        while True:
+            program = _spec_export(module, shapes, example, constants, notes) if spec_api() is not None else None
+            form = "Dim" if program is None else "ShapesSpec"
+            if program is None:
+                program, shapes = _export(module, shapes, example, constants, specializations, notes)
+            read = program_shapes(program)
+            for axis in static_axes(shapes, example.inputs, read):
+                shapes = _keep_static(shapes, {axis.variable.name: axis.value}, specializations, notes)
+            probe = replace(probe, shapes=shapes) if probe is not None else None
+            split = _check_bounds(shapes, program, example, probe, specializations)
+            if split is None:
+                return Traced(program, form, shapes, splits)
+            splits.append(split)
+            shapes, split_notes = apply_refinements(shapes, [split])
+            notes.extend(split_notes)
 
 
 def _spec_export(
@@ -165,14 +184,36 @@ def capturing() -> Iterator[None]:
         yield
 
 
-def _check_bound(shapes: ShapeModel, name: str, upper: int, probe: SizeProbe | None, location: str) -> None:
+def _check_bounds(
+    shapes: ShapeModel, program: torch.export.ExportedProgram, example: Example, probe: SizeProbe | None,
+    specializations: SpecializationLog,
+) -> Refinement | None:
+    """:func:`_check_bound` on every demanded dim the program bounds; the first split one calls for."""
+    read = program_shapes(program)
+    for name, symbol, upper in upper_bounds(shapes, example.inputs, read, program.range_constraints):
+        split = _check_bound(shapes, name, upper, probe, specializations.bound_location(symbol))
+        if split is not None:
+            return split
+    return None
+
+
+def _check_bound(
+    shapes: ShapeModel, name: str, upper: int, probe: SizeProbe | None, location: str,
+) -> Refinement | None:
     """A demanded dim torch bounds where the model goes on (eager runs the next size, or the
-    model's own next step reaches past it: a sliding window filled) is :class:`Specialized`: the
-    graph cannot serve what the model does.  A bound eager cannot pass is the model's limit
-    (``seq <= 128`` of its position table, the length of a static cache)."""
+    model's own next step reaches past it) is :class:`Specialized`: the graph cannot serve what
+    the model does.  A bound eager cannot pass is the model's limit (``seq <= 128`` of its
+    position table, the length of a static cache).  When the step past the bound holds some of
+    the dim's axes at it (a sliding window's layers, the full ones going on), those axes need a
+    length of their own: the split is returned, and the dim is exported again."""
+    if any(w.derived == name and w.limit == upper for w in shapes.windows):
+        return None  # the sliding window split off: the model's own states hold it there
     reached = probe.reaches(name, upper + 1) if probe is not None else None
-    if reached is not None:
-        raise Specialized(shapes, name, f"bounded to at most {upper} ({reached})", location, retrace=False)
+    if reached is None:
+        return None
+    if reached.held:
+        return Refinement(RefinementKind.SPLIT, name, upper, reached.held)
+    raise Specialized(shapes, name, f"bounded to at most {upper} ({reached.how})", location, retrace=False)
 
 
 def _keep_static(

@@ -88,10 +88,15 @@ def size_ranges(
 ) -> dict[str, tuple[int, int]]:
     """``(low, high)`` of every free variable: from 2 (or the observed minimum when smaller) up
     to twice the observed maximum (at least 8, at most 512), highs lowered until the largest
-    input at the highs has at most ``max_elements`` elements.  With ``recorded_only`` the sizes
-    of empty stand-ins (a cache absent at prefill) do not count as observed."""
+    input at the highs has at most ``max_elements`` elements; a sliding window's term reaches
+    past the window's limit when that is within 512.  With ``recorded_only`` the sizes of empty
+    stand-ins (a cache absent at prefill) do not count as observed."""
     bounds = shapes.bounds(recorded_only)
     ranges = {name: _range(*bounds[name]) for name in free_variables(shapes)}
+    for window in shapes.windows:
+        if window.term in ranges:
+            low, high = ranges[window.term]
+            ranges[window.term] = (low, max(high, min(window.limit + 2, MAX_SIZE)))
     while _largest_input(shapes, {n: high for n, (_, high) in ranges.items()}) > max_elements:
         shrinkable = [n for n, (low, high) in ranges.items() if high > low]
         if not shrinkable:
@@ -262,5 +267,6 @@ def _database_key(shapes: ShapeModel) -> bytes:
         if isinstance(value, torch.Tensor) else [name, type(value).__name__]
         for name, value, axes in zip(shapes.aligned.leaf_names, template, shapes.leaf_axes())
     ]
-    description = json.dumps({"leaves": leaves, "relations": [str(r) for r in shapes.relations]})
+    relations = [str(r) for r in (*shapes.relations, *shapes.windows)]
+    description = json.dumps({"leaves": leaves, "relations": relations})
     return DATABASE_PREFIX + hashlib.sha256(description.encode()).hexdigest().encode()

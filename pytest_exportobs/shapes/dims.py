@@ -32,6 +32,28 @@ class Relation:
         return self.scale * sum(sizes[t] for t in self.terms) + self.constant
 
 
+@dataclass(frozen=True)
+class Window:
+    """``derived = min(term, limit)`` in the model's own states: a sliding window's cache length
+    follows the full layers' until the window holds ``limit`` entries.  Sizes only; the graph
+    takes the two as dims of their own."""
+
+    derived: str
+    term: str
+    limit: int
+
+    def __str__(self) -> str:
+        return f"{self.derived} = min({self.term}, {self.limit})"
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        return (self.term,)
+
+    def size(self, sizes: dict[str, int]) -> int:
+        """The derived size given the term's."""
+        return min(sizes[self.term], self.limit)
+
+
 @dataclass
 class Variable:
     """A dimension variable: its axes, the size it had in each call (``None``: unknown), why it

@@ -19,7 +19,7 @@ import torch
 from ..core.text import identifier
 from ..core.vocabulary import AxisRole, StandIn
 from ..observe.alignment import AlignedCalls
-from .dims import Axis, Relation, Variable
+from .dims import Axis, Relation, Variable, Window
 from .inference import AS_OBSERVED, DimPolicy, derive_relations, forced_batch_axes, infer_variables, role_relations
 from .naming import name_variables
 from .standins import stand_in, stand_in_kind
@@ -28,13 +28,14 @@ from .standins import stand_in, stand_in_kind
 @dataclass(frozen=True)
 class ShapeModel:
     """Dynamic dimensions of the flat inputs of a set of aligned calls; never changed in place:
-    a refinement (:meth:`merged`, :meth:`derived`, :meth:`without`) is a new model."""
+    a refinement (:meth:`merged`, :meth:`derived`, :meth:`split`, :meth:`without`) is a new model."""
 
     aligned: AlignedCalls
     variables: list[Variable]
     relations: list[Relation] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     meaningful_stand_ins: bool = False  # absent masks are ones, positions follow the cache...
+    windows: list[Window] = field(default_factory=list)  # sizes of the model's states, not the graph's
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -68,7 +69,8 @@ class ShapeModel:
             return self
         variables = [dataclasses.replace(v, axes=[*v.axes, *source.axes]) if v is target else v
                      for v in self.variables if v is not source]
-        return dataclasses.replace(self, variables=variables, relations=self._relations_without(name))
+        return dataclasses.replace(self, variables=variables, relations=self._relations_without(name),
+                                   windows=self._windows_without(name))
 
     def derived(self, name: str, relation: Relation) -> ShapeModel:
         """Variable ``name`` following ``relation`` from a new free variable without axes
@@ -81,13 +83,29 @@ class ShapeModel:
             relations=[relation, *(r for r in self.relations if r.derived != name)],
         )
 
+    def split(self, name: str, axes: Collection[Axis], into: str, limit: int) -> ShapeModel:
+        """Variable ``name`` without ``axes``, which become variable ``into`` of the same sizes,
+        ``min(name, limit)`` in the model's states (a sliding window's layers hold a cache length
+        of their own); relations stay with ``name``."""
+        var = next(v for v in self.variables if v.name == name)
+        moved = dataclasses.replace(var, name=into, axes=[a for a in var.axes if a in axes])
+        kept = dataclasses.replace(var, axes=[a for a in var.axes if a not in axes])
+        return dataclasses.replace(
+            self, variables=[*(kept if v is var else v for v in self.variables), moved],
+            windows=[*self.windows, Window(into, name, limit)],
+        )
+
     def without(self, name: str) -> ShapeModel:
         """Variable ``name`` static again (eager or torch.export cannot vary it)."""
         return dataclasses.replace(
-            self, variables=[v for v in self.variables if v.name != name], relations=self._relations_without(name))
+            self, variables=[v for v in self.variables if v.name != name], relations=self._relations_without(name),
+            windows=self._windows_without(name))
 
     def _relations_without(self, name: str) -> list[Relation]:
         return [r for r in self.relations if name not in (r.derived, *r.terms)]
+
+    def _windows_without(self, name: str) -> list[Window]:
+        return [w for w in self.windows if name not in (w.derived, w.term)]
 
     # -- queries --------------------------------------------------------------------------------
     def variable_of(self, axis: Axis) -> Variable | None:
@@ -204,7 +222,9 @@ class ShapeModel:
         ]
         by_name = {v.name: v for v in variables}
         relations = [r for r in self.relations if {r.derived, *r.terms} <= by_name.keys()]
-        projected = ShapeModel(aligned, variables, relations, list(self.notes), meaningful_stand_ins=True)
+        windows = [w for w in self.windows if {w.derived, w.term} <= by_name.keys()]
+        projected = ShapeModel(aligned, variables, relations, list(self.notes), meaningful_stand_ins=True,
+                               windows=windows)
         for relation in self.relations:
             reduced = _without_absent_terms(relation, by_name)
             if reduced is None:

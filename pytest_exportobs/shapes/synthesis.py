@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .dims import Relation, Window
 from .model import ShapeModel
 
 
@@ -40,16 +41,17 @@ IGNORE_INDEX = -100  # the default ignore_index of torch's cross-entropy and NLL
 
 
 def free_variables(shapes: ShapeModel) -> list[str]:
-    """Variables a caller may size; derived ones follow their relation."""
-    derived = {r.derived for r in shapes.relations}
+    """Variables a caller may size; derived ones follow their relation (or window)."""
+    derived = {r.derived for r in shapes.relations} | {w.derived for w in shapes.windows}
     return [v.name for v in shapes.variables if v.name not in derived]
 
 
 def complete_sizes(shapes: ShapeModel, free: dict[str, int]) -> dict[str, int]:
     """Sizes of every variable from the free ones, each derived one from its expression
-    (``height = 2*height_half``, ``total_seq = past_seq + seq``), relations on derived ones included."""
+    (``height = 2*height_half``, ``total_seq = past_seq + seq``, ``past_seq_window =
+    min(past_seq, 15)``), relations on derived ones included."""
     sizes = dict(free)
-    pending = list(shapes.relations)
+    pending: list[Relation | Window] = [*shapes.relations, *shapes.windows]
     while pending:
         ready = [r for r in pending if all(t in sizes for t in r.terms)]
         if not ready:

@@ -757,12 +757,15 @@ def test_a_bound_below_a_size_eager_runs_fails_as_specialized(tmp_path: Path) ->
         f" at tests/unit/test_check.py:{line}: if x.shape[1] > 8:")
 
 
-def test_a_sliding_window_the_tests_never_fill_fails_with_the_bound_and_the_step_past_it(tmp_path: Path) -> None:
-    """Gemma-2 under generate(), prompts and outputs shorter than its window of 16: torch bounds
-    the cache length to 15; one more decode step fills the window, its sliding layers holding 15
-    while the others hold 16: a state the one graph cannot serve, never a pass."""
+def test_a_sliding_window_the_tests_never_fill_gets_a_length_of_its_own_and_the_onnx_serves_it_full(
+        tmp_path: Path) -> None:
+    """Gemma-2 under generate(), prompts and outputs shorter than its window of 16: every call's
+    layers hold one length, torch bounds it to 15, and one more decode step holds the sliding
+    layer at 15 while the full one goes on.  The sliding layer's length is a variable of its own,
+    and the ONNX serves caches past the window, which no test made (an export cache hit too)."""
     transformers = pytest.importorskip("transformers")
     from pytest_exportobs import register_flattening_functions
+    from pytest_exportobs.engine.verify import OnnxRunner
 
     torch.manual_seed(0)
     config = transformers.Gemma2Config(
@@ -776,11 +779,26 @@ def test_a_sliding_window_the_tests_never_fill_fails_with_the_bound_and_the_step
             ids = torch.randint(3, 64, (batch, prompt))
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False)
-    result = check_model(group, settings(tmp_path))
-    assert (result.verdict, result.stage, result.kind) == ("failed", "torch.export", "specialized")
-    assert "past_seq" in result.reason and (
-        "bounded to at most 15 (the model's own next step from past_seq=15 " in result.reason)
-    assert "where past_key_values.key_0 holds 15, past_key_values.value_0 holds 15)" in result.reason
+    first, again = (check_model(group, settings(tmp_path)) for _ in range(2))
+    assert first.verdict == "passed", first.reason
+    sliding, full = {"0": "batch", "2": "past_seq_window"}, {"0": "batch", "2": "past_seq"}
+    assert {name: axes for name, axes in first.dims.items() if name.startswith("past_key_values")} == {
+        "past_key_values.key_0": sliding, "past_key_values.value_0": sliding,
+        "past_key_values.key_1": full, "past_key_values.value_1": full}
+    assert any(note.startswith("past_seq_window (past_key_values.key_0.2, past_key_values.value_0.2) a length apart")
+               for note in first.notes)
+    assert (again.verdict, again.cache_hit, again.dims) == ("passed", True, first.dims)
+
+    runner = OnnxRunner(Path(first.onnx_path))
+    assert first.graphs[0].inputs[:2] == ["input_ids", "position_ids"]
+    for batch, prompt in ((3, 20), (2, 9)):
+        with torch.no_grad(), register_flattening_functions():
+            cache = model(torch.randint(3, 64, (batch, prompt)), use_cache=True).past_key_values
+            assert [layer.keys.shape[2] for layer in cache.layers] == [min(prompt, 15), prompt]
+            step, positions = torch.randint(3, 64, (batch, 1)), torch.full((batch, 1), prompt)
+            leaves = [step, positions, *torch.utils._pytree.tree_leaves(cache)]
+            expected = model(step, position_ids=positions, past_key_values=cache).logits
+        torch.testing.assert_close(torch.from_numpy(runner(leaves)[0]), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_a_llava_prefill_keeps_its_image_batch_dynamic_and_serves_unseen_batches(tmp_path: Path) -> None:

@@ -35,5 +35,8 @@ def test_a_refinement_is_kept_in_the_export_cache_as_a_plain_list() -> None:
     assert json.dumps(merge.to_json()) == '["merge", "y_dim0", "x_dim0"]'
     assert Refinement.from_json(json.loads(json.dumps(merge.to_json()))) == merge
     assert Refinement.from_json(["scale", "height", 2]) == Refinement(RefinementKind.SCALE, "height", 2)
+    split = Refinement(RefinementKind.SPLIT, "past_seq", 4095, ((2, 2), (3, 2)))
+    assert json.dumps(split.to_json()) == '["split", "past_seq", 4095, [[2, 2], [3, 2]]]'
+    assert Refinement.from_json(json.loads(json.dumps(split.to_json()))) == split
     with pytest.raises(ValueError):
         Refinement.from_json(["halve", "height", 2])  # a cache entry of another vocabulary: not read

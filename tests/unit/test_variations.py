@@ -296,6 +296,31 @@ def test_derived_sizes_follow_their_expression() -> None:
     assert complete_sizes(derived, {"batch": 2, "height_half": 3, "width": 5})["height"] == 6
 
 
+class TwoCaches(torch.nn.Module):
+    """A full cache and a sliding one: the state a hybrid decoder hands its next step."""
+
+    def forward(self, x: torch.Tensor, full: torch.Tensor, sliding: torch.Tensor) -> torch.Tensor:
+        return torch.cat([full, x], dim=1).sum(1) + torch.cat([sliding, x], dim=1).sum(1)
+
+
+def test_a_sliding_windows_length_follows_the_full_one_up_to_its_limit() -> None:
+    """Split off a window of 10 (the engine does when torch bounds the length and the model's
+    next step holds the sliding layer there): variations size only the full length, reach past
+    the window, and build the sliding cache at ``min(past, 10)``."""
+    calls = [(torch.randn(2, 1, 4), torch.randn(2, past, 4), torch.randn(2, past, 4)) for past in (3, 4)]
+    shapes = observe(TwoCaches(), *calls)
+    assert shapes.to_json()["dims"] == {"full": {"1": "full_dim1"}, "sliding": {"1": "full_dim1"}}
+    split = shapes.split("full_dim1", [(2, 1)], "full_dim1_window", 10)
+    assert split.to_json()["dims"] == {"full": {"1": "full_dim1"}, "sliding": {"1": "full_dim1_window"}}
+    assert [str(w) for w in split.windows] == ["full_dim1_window = min(full_dim1, 10)"]
+    assert (size_ranges(shapes), size_ranges(split)) == ({"full_dim1": (2, 8)}, {"full_dim1": (2, 12)})
+    assert complete_sizes(split, {"full_dim1": 12}) == {"full_dim1": 12, "full_dim1_window": 10}
+    for past, window in ((5, 5), (12, 10)):
+        leaves = build_leaves(split, complete_sizes(split, {"full_dim1": past}), torch.Generator().manual_seed(0))
+        assert [tuple(leaf.shape) for leaf in leaves] == [(2, 1, 4), (2, past, 4), (2, window, 4)]
+    assert split.without("full_dim1").windows == [] and split.project([0], ["x", "full"]).windows == []
+
+
 class ConvPair(torch.nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return pixel_values.mean((2, 3))
