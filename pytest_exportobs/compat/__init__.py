@@ -6,6 +6,7 @@
   symbolic-shapes logger);
 * :mod:`.onnxruntime_text`: parsers of onnxruntime's errors (a missing kernel);
 * :mod:`.export_patches`: patches of torch and transformers internals around ``torch.export``;
+* :mod:`.transformers_hooks`: transformers' own forward hooks, set aside while a model is pickled;
 * :mod:`.xdist_private`: the private hooks of xdist's scheduler.
 
 A release that changes one of them breaks this package alone; ``tests/unit/test_compat.py``

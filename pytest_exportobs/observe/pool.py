@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..compat.transformers_hooks import without_output_capturing_hooks
 from .options import ObserveOptions
 from .recorder import CallRecorder, Observation, signature_of
 from .store import MAX_OBSERVATIONS, MAX_ORDINARY, ModelGroup, parameter_shapes
@@ -46,8 +47,10 @@ class GroupRecord:
 
 
 def save_record(group: ModelGroup, base: str, path: Path) -> None:
-    """Save what rebuilds ``group`` (raises when its module cannot be pickled)."""
-    torch.save(GroupRecord(base, group.identity, group.explicit, group.options, group.module), path)
+    """Save what rebuilds ``group`` (raises when its module cannot be pickled); transformers'
+    output-capturing hooks are left out (the rebuilt model installs them again)."""
+    with without_output_capturing_hooks(group.module):
+        torch.save(GroupRecord(base, group.identity, group.explicit, group.options, group.module), path)
 
 
 def rebuilt(path: Path) -> ModelGroup:

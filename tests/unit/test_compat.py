@@ -188,3 +188,16 @@ def test_onnxruntimes_missing_kernels_are_read(captured: dict[str, Any]) -> None
 def test_aten_ops_a_translation_error_calls_unsupported_are_listed() -> None:
     message = "No ONNX function found for aten::_fft_r2c.default: unsupported\nother line aten::add"
     assert unsupported_ops(message) == ["aten::_fft_r2c.default"]
+
+
+def test_transformers_installs_its_output_capturing_hooks_where_the_compat_layer_looks() -> None:
+    transformers = pytest.importorskip("transformers")
+    from pytest_exportobs.compat import transformers_hooks
+
+    from models import tiny_llama_config
+
+    model = transformers.LlamaModel(tiny_llama_config(num_hidden_layers=1)).eval()
+    model(torch.randint(0, 100, (1, 3)), output_hidden_states=True)
+    hooks = [hook for m in model.modules() for hook in m._forward_hooks.values()]
+    assert hooks and {hook.__module__ for hook in hooks} == {transformers_hooks._HOOKS_MODULE}
+    assert vars(model)[transformers_hooks._INSTALLED] is True

@@ -137,6 +137,35 @@ def test_a_module_that_cannot_be_saved_is_named_in_a_note(tmp_path: Path) -> Non
     assert note.endswith("): a crash of gw0 would lose it")
 
 
+def test_a_model_asked_for_hidden_states_is_saved_and_rebuilt_without_transformers_own_hooks(
+        tmp_path: Path) -> None:
+    """transformers installs closures as forward hooks the first time a call asks for hidden
+    states: the record leaves them out, the original keeps them, the rebuilt model installs them
+    again and computes what the original does."""
+    transformers = pytest.importorskip("transformers")
+    from models import tiny_llama_config
+
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(tiny_llama_config()).eval()
+    ids = torch.randint(0, 100, (2, 5))
+    store, gw0, gw1 = SessionStore(), worker(tmp_path, "gw0"), worker(tmp_path, "gw1")
+    with store.observe(model, "llama", ObserveOptions(), "test_states"):
+        expected = model(ids, output_hidden_states=True).hidden_states
+    hooks = sum(len(m._forward_hooks) for m in model.modules())
+    assert hooks > 0 and model._output_capturing_hooks_installed
+    gw0.save(store)
+    assert gw0.notes == []
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks and model._output_capturing_hooks_installed
+    mark_down(tmp_path, "gw0")
+    gw1.offer(None)
+    (group,) = gw1.claims(None, collection_order("test_states"))
+    assert group.module is not model and "_output_capturing_hooks_installed" not in vars(group.module)
+    rebuilt_states = group.module(ids, output_hidden_states=True).hidden_states
+    assert len(rebuilt_states) == len(expected) == 3
+    for got, want in zip(rebuilt_states, expected):
+        torch.testing.assert_close(got, want)
+
+
 def test_a_worker_that_went_down_is_not_waited_for_and_a_silent_one_only_until_the_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
