@@ -111,11 +111,13 @@ class _ModelCheck:
         graphs: list[GraphCheck] = []
         unverified: list[str] = []
         with export_patches(), patches.entered(factories), flattening_context(), _eval_no_grad(self.group.module):
-            families = self.group.recorder.families()
-            observations, found = list(self.group.recorder.observations), None
+            observations = list(self.group.recorder.observations)
+            found = self._references(observations)
+            self.result.model_notes.extend(found.left_out.values())
+            kept = [[i for i in family if i not in found.left_out] for family in self.group.recorder.families()]
+            families = [family for family in kept if family]
             for family in families:
                 joint = self._infer(family)
-                found = found or self._references(observations)
                 checks, left = self._check_graphs(joint, self._context(family, observations, found), len(graphs))
                 if family is not families[0]:
                     _name_structure(checks, self._difference(families[0][0], family[0]))

@@ -3,16 +3,21 @@
 A recorded output is the reference when the call ran on the exported instance, in eval mode,
 with today's weights.  Otherwise it is recomputed now: a call observed in training mode
 (dropout) is judged in eval mode, and one made on another instance or before the weights
-changed is judged on the weights exported.  Before a mismatch is blamed on the export, the
-engine asks :func:`reproduction` whether eager itself gives the reference again.
+changed is judged on the weights exported.  A call of another instance of a configured model
+(transformers, diffusers: one group's instances share the configuration that decides which calls
+they accept) that the exported instance rejects was made for that instance's weights (Gemma-3's
+``inputs_embeds`` find the image tokens by their instance's embedding of them): it is left out,
+with a note.  Before a mismatch is blamed on the export, the engine asks :func:`reproduction`
+whether eager itself gives the reference again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..core.configuration import contract
 from ..core.trees import detached_clone, flat_outputs
 from ..observe.recorder import Observation
 from ..observe.store import ModelGroup
@@ -23,11 +28,12 @@ Outputs = list[torch.Tensor | None]
 
 @dataclass
 class References:
-    """One reference per recorded call, and where they come from (``recorded``, or what was
-    recomputed and why)."""
+    """One reference per recorded call (none for a call left out), where they come from
+    (``recorded``, or what was recomputed and why), and why each call left out is."""
 
     outputs: list[Outputs]
     origin: str
+    left_out: dict[int, str] = field(default_factory=dict)
 
 
 class ReferenceFailed(Exception):
@@ -36,24 +42,35 @@ class ReferenceFailed(Exception):
 
 def references(group: ModelGroup, observations: list[Observation]) -> References:
     """Recorded outputs where they are valid references, eager recomputed elsewhere (raises
-    :class:`ReferenceFailed` when the exported instance cannot run such a call)."""
-    outputs, recomputed, training = [], 0, 0
+    :class:`ReferenceFailed` when the exported instance cannot run such a call, unless it was
+    made on another instance of a configured model: then it is left out)."""
+    outputs: list[Outputs] = []
+    left_out: dict[int, str] = {}
+    recomputed = training = 0
     for index, obs in enumerate(observations):
         if group.is_reference_valid(obs.instance, obs.weights_version) and not obs.training:
             outputs.append(obs.outputs)
             continue
+        source = obs.source or "a recorded call"
         try:
             outputs.append(eager(group, obs))
         except Exception as e:  # the model's own code, on a call made on another instance
+            rejection = f"{type(e).__name__}: {e}"
+            if obs.instance != id(group.module) and contract(group.module):
+                left_out[index] = (f"call {index} from {source} left out: made on another instance, whose weights "
+                                   f"its inputs were made for, and the exported instance rejects it ({rejection})")
+                outputs.append([])
+                continue
             raise ReferenceFailed(
-                f"call {index} from {obs.source or 'a recorded call'} was made on another instance or before "
-                f"the model changed, and the exported instance cannot run it: {type(e).__name__}: {e}") from e
+                f"call {index} from {source} was made on another instance or before "
+                f"the model changed, and the exported instance cannot run it: {rejection}") from e
         recomputed += 1
         training += obs.training
     if not recomputed:
-        return References(outputs, "recorded")
+        return References(outputs, "recorded", left_out)
     why = f", {training} observed in training mode (eval used)" if training else ""
-    return References(outputs, f"recomputed on the exported instance for {recomputed} of {len(outputs)} calls{why}")
+    return References(
+        outputs, f"recomputed on the exported instance for {recomputed} of {len(outputs)} calls{why}", left_out)
 
 
 def eager(group: ModelGroup, observation: Observation) -> Outputs:

@@ -552,6 +552,42 @@ def test_a_call_the_exported_instance_cannot_run_is_unverified_not_internal(tmp_
                              "exported instance cannot run it: ValueError: sequence of 7 beyond max_len=6")
 
 
+class MarkedEmbeds(torch.nn.Module):
+    """Finds its marker token in ``inputs_embeds`` by its own embedding of it, as Gemma-3 and
+    LLaVA find their image tokens; a configured model (``config``), like transformers' ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = {"marker_token_id": 3}
+        self.embed, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        marked = (inputs_embeds == self.embed.weight[3]).all(-1)
+        torch._check(marked.sum().item() > 0, lambda: "no marker token in inputs_embeds")
+        return self.head(inputs_embeds) * marked.unsqueeze(-1)
+
+
+def test_a_call_made_for_another_instances_weights_is_left_out_with_a_note(tmp_path: Path) -> None:
+    """Each test builds its model and embeds its ids with it: the exported instance finds no
+    marker in another instance's embeddings and rejects that call, which is no evidence against
+    the export (same configuration, other weights)."""
+    store = SessionStore()
+    torch.manual_seed(0)
+    first, other = MarkedEmbeds().eval(), MarkedEmbeds().eval()
+    with torch.no_grad():
+        with store.observe(first, "marked", ObserveOptions(), "t::a") as group:
+            for batch in (2, 3):
+                first(first.embed(torch.tensor([[3, 1, 2, 5]] * batch)))
+        with store.observe(other, "marked", ObserveOptions(), "t::b"):
+            other(other.embed(torch.tensor([[4, 3, 6, 7, 1]])))
+    result = check_model(group, settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert result.graphs[0].calls == [0, 1]
+    assert result.model_notes == [
+        "call 2 from t::b left out: made on another instance, whose weights its inputs were made for, and the "
+        "exported instance rejects it (RuntimeError: no marker token in inputs_embeds)"]
+
+
 class Tagger(torch.nn.Module):
     """A frame tagger over sequences of any length: an LSTM."""
 
