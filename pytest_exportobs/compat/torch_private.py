@@ -51,6 +51,14 @@ def prepare_for_onnx(program: torch.export.ExportedProgram) -> torch.export.Expo
     return _core._prepare_exported_program_for_export(program, registry=onnx_registry())
 
 
+def guards_on_data(error: BaseException, function: str) -> bool:
+    """Whether ``error`` is torch's guard on a data-dependent size, raised in ``function`` (as the
+    message's "Caused by" names it: ``nll_loss``)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return isinstance(error, GuardOnDataDependentSymNode) and f" in {function})" in str(error)
+
+
 def to_onnx_program(program: torch.export.ExportedProgram) -> Any:
     """torch.onnx's second step: the prepared program translated to an ``ONNXProgram``."""
     from torch.onnx._internal.exporter import _core

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..compat.torch_private import (
+    guards_on_data,
     import_export_machinery,
     onnx_registry,
     prepare_for_onnx,
@@ -37,6 +38,7 @@ from ..shapes.model import ShapeModel
 from ..shapes.synthesis import example_leaves, free_variables
 from .bound import bind_constants
 from .cache import CacheEntry, ExportCache
+from .decompositions import UNGUARDED_CROSS_ENTROPY
 from .domain import (
     Refinement,
     Shape,
@@ -290,7 +292,7 @@ def _save_program(program: torch.export.ExportedProgram, path: Path, outcome: Ex
 
 def _to_onnx(stages: Stages, program: Any, names: dict[str, str], path: Path, outcome: ExportOutcome) -> None:
     with stages.run(Stage.DECOMPOSE):
-        program = _decompose(program)
+        program = _decompose(program, outcome.notes)
     with stages.run(Stage.ONNX_TRANSLATE):
         onnx_program = _translate_decomposing(program, outcome.notes)
         if names:  # ONNXProgram.rename_axes does the same from torch 2.11 on
@@ -337,11 +339,20 @@ def prepare(target: str) -> None:
         onnx_registry()
 
 
-def _decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+def _decompose(program: torch.export.ExportedProgram, notes: list[str]) -> torch.export.ExportedProgram:
     """torch.onnx's preparation, then the nodes left without users removed: it drops the runtime
     asserts but not what only they read (transformers' ``torch_compilable_check`` of a tensor
-    condition leaves ``_is_all_true``, which has no ONNX translation)."""
-    program = prepare_for_onnx(program)
+    condition leaves ``_is_all_true``, which has no ONNX translation).  A loss over a
+    data-dependent number of targets, which torch's decomposition cannot take, is decomposed
+    with :data:`~.decompositions.UNGUARDED_CROSS_ENTROPY` first (and a note says so)."""
+    try:
+        program = prepare_for_onnx(program)
+    except Exception as e:
+        if not guards_on_data(e, "nll_loss"):
+            raise
+        program = prepare_for_onnx(program.run_decompositions(UNGUARDED_CROSS_ENTROPY))
+        notes.append("cross_entropy_loss decomposed into _log_softmax and nll_loss_forward: torch's own"
+                     " decomposition guards on its data-dependent number of targets")
     if program.graph_module.graph.eliminate_dead_code():
         program.graph_module.recompile()
     return program
@@ -367,7 +378,7 @@ def _translate_decomposing(program: torch.export.ExportedProgram, notes: list[st
             if op is None or op not in table:
                 raise
             decomposed.append(str(op))
-            program = _decompose(program.run_decompositions({op: table[op]}))
+            program = _decompose(program.run_decompositions({op: table[op]}), notes)
             continue
         if decomposed:
             notes.append(f"translated after decomposing {', '.join(decomposed)}: torch's ONNX translation failed on it")

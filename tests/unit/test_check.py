@@ -588,6 +588,41 @@ def test_a_call_made_for_another_instances_weights_is_left_out_with_a_note(tmp_p
         "exported instance rejects it (RuntimeError: no marker token in inputs_embeds)"]
 
 
+class MaskedTokenLoss(torch.nn.Module):
+    """A tagger whose loss keeps the logits of unpadded positions only (``logits[mask != 0]``,
+    as Gemma-3's and PaliGemma's): the number of targets depends on the mask's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 5)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> tuple:
+        logits = self.head(self.embed(input_ids))
+        kept = logits[attention_mask != 0].contiguous().view(-1, 5)
+        return torch.nn.functional.cross_entropy(kept, labels[attention_mask != 0].view(-1)), logits
+
+
+def test_a_loss_over_a_data_dependent_number_of_targets_exports_and_serves_unseen_padding(tmp_path: Path) -> None:
+    """torch's own decomposition of the loss guards on the number of targets (``Eq(5*u0, 0)``);
+    the engine decomposes it without that guard, and the ONNX computes eager's loss."""
+    from pytest_exportobs.engine.verify import OnnxRunner
+
+    def batch(rows: int, seq: int, real: list[int]) -> tuple[torch.Tensor, ...]:
+        mask = torch.tensor([[1] * n + [0] * (seq - n) for n in real])
+        return torch.randint(1, 20, (rows, seq)), mask, torch.randint(0, 5, (rows, seq))
+
+    torch.manual_seed(0)
+    model = MaskedTokenLoss().eval()
+    result = check_model(observed(model, batch(2, 6, [6, 4]), batch(3, 5, [2, 5, 3])), settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert "cross_entropy_loss decomposed into _log_softmax and nll_loss_forward" in " ".join(result.notes)
+    unseen = batch(4, 9, [9, 1, 5, 7])
+    with torch.no_grad():
+        expected = model(*unseen)[0]
+    got = torch.from_numpy(OnnxRunner(Path(result.onnx_path))(list(unseen))[0])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 class Tagger(torch.nn.Module):
     """A frame tagger over sequences of any length: an LSTM."""
 
