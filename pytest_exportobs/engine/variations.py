@@ -6,7 +6,9 @@ observed bounds (derived variables follow their relation, equal dimensions are o
 the eager model itself raises on it, *failed* when the exported model raises or disagrees with
 eager beyond the verify stage's tolerances.  Labels lined up with a padding mask ignore its padded
 positions, unless eager rejects the ignore index (then the example runs with the plain labels).
-Hypothesis shrinks a failure to its smallest sizes.
+Hypothesis shrinks a failure to its smallest sizes.  When none of its examples fails, the largest
+one (every free size at its high) runs too: a graph that serves only the sizes it was traced at
+fails there whatever hypothesis drew.
 
 Randomness: with ``seed`` or under ``CI=true`` the examples are derandomized (same examples
 every run; hypothesis then disables its database, as it does for ``@seed`` and
@@ -119,8 +121,9 @@ def explore(
     outputs: OutputLayout | None = None,
     pad_token_id: int | None = None,
 ) -> VariationOutcome:
-    """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them;
-    never raises for a model problem (an exception of ``run`` fails its example).
+    """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them, then,
+    unless one failed, the largest (every free size at the high of its range, whatever
+    hypothesis drew); never raises for a model problem (an exception of ``run`` fails its example).
     ``recorded_only``: see :func:`size_ranges`; ``pad_token_id``: see :func:`~..shapes.synthesis.recipes`."""
     from hypothesis import find, strategies
     from hypothesis.errors import NoSuchExample, Unsatisfiable
@@ -140,6 +143,9 @@ def explore(
             )
     except (NoSuchExample, Unsatisfiable):  # every valid example passed, or none was valid
         minimal = None
+    largest = {name: high for name, (_, high) in ranges.items()}
+    if minimal is None and (verdict := trials.verdict(largest)) is not None and not verdict.ok:
+        minimal = largest  # hypothesis' draws missed it: a graph that serves only small sizes
     return trials.outcome(minimal)
 
 
@@ -180,14 +186,19 @@ class _Trials:
         free = {name: free[name] for name in free_variables(self.shapes)}  # hypothesis draws in any order
         if free not in self.examples and self.verdicts.count(None) >= MAX_INVALID:
             assume(False)  # eager keeps rejecting the sizes drawn: stop paying for eager runs
+        verdict = self.verdict(free)
+        assume(verdict is not None)
+        assert verdict is not None  # assume() ended the example otherwise
+        return not verdict.ok
+
+    def verdict(self, free: Sizes) -> Discrepancy | None:
+        """The example's comparison, run once (``None``: eager rejects it)."""
+        free = {name: free[name] for name in free_variables(self.shapes)}
         if free not in self.examples:
             verdict = self._verdict(free)  # an engine error leaves no half-recorded example
             self.examples.append(free)
             self.verdicts.append(verdict)
-        verdict = self.verdicts[self.examples.index(free)]
-        assume(verdict is not None)
-        assert verdict is not None  # assume() ended the example otherwise
-        return not verdict.ok
+        return self.verdicts[self.examples.index(free)]
 
     def leaves(self, free: Sizes) -> Leaves:
         """The inputs of an example as it ran: a function of its sizes only (and of whether

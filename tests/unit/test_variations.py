@@ -106,7 +106,8 @@ def test_mlp_variations_pass_within_bounds(mlp, tmp_path):
     outcome = run_explore(shapes, eager_of(model), runner, tmp_path)
     ranges = size_ranges(shapes)
     assert ranges == {"batch": (2, 8), "seq": (2, 12)}
-    assert outcome.valid == outcome.tried == len(outcome.examples) <= 8
+    assert outcome.valid == outcome.tried == len(outcome.examples) <= 8 + 1  # the draws, then the largest
+    assert outcome.examples[-1] == {"batch": 8, "seq": 12}
     assert outcome.examples[0] == {"batch": 2, "seq": 2}  # hypothesis starts from the smallest sizes
     assert any(e["batch"] > 4 for e in outcome.examples) and any(e["seq"] > 6 for e in outcome.examples)  # unseen
     assert (outcome.invalid, outcome.failed, outcome.failing_sizes, outcome.failing_leaves) == (0, 0, None, None)
@@ -192,6 +193,26 @@ def test_an_error_around_the_models_call_is_the_engines_and_is_raised(mlp, tmp_p
 
     with pytest.raises(IndexError):
         run_explore(shapes, broken_harness, runner, tmp_path, examples=4)
+
+
+def test_the_largest_example_runs_when_the_drawn_ones_pass(mlp, tmp_path):
+    """One drawn example misses a graph that breaks at the top of its batch range; the largest
+    example, run after the draws, finds it in every run."""
+    model, shapes, runner = mlp
+    ranges = size_ranges(shapes)
+
+    def breaks_at_the_largest_batch(leaves: Leaves) -> Sequence[Any]:
+        outputs = list(runner(leaves))
+        if leaves[0].shape[0] == ranges["batch"][1]:
+            outputs[0] = outputs[0] + 1.0
+        return outputs
+
+    outcome = run_explore(shapes, eager_of(model), breaks_at_the_largest_batch, tmp_path, examples=1)
+    assert outcome.failing_sizes == {name: high for name, (_, high) in ranges.items()}
+    assert (outcome.tried, outcome.failed) == (2, 1)
+    clean = run_explore(shapes, eager_of(model), runner, tmp_path / "clean", examples=1)
+    assert (clean.tried, clean.failed, clean.failing_sizes) == (2, 0, None)
+    assert clean.examples[-1] == {name: high for name, (_, high) in ranges.items()}
 
 
 def test_exported_model_errors_fail_the_example(mlp, tmp_path):
