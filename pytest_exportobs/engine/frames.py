@@ -39,8 +39,9 @@ def user_location() -> str:
 def user_frame(error: BaseException) -> str:
     """The model's or the user's line behind ``error``: the call torch.export says raised (the
     model's code, in an installed package too), else the innermost user frame of ``error``'s
-    traceback and its cause's, else the last user ``File "...", line N`` its message quotes;
-    ``""`` if none."""
+    traceback and its cause's, else the last user ``File "...", line N`` its message quotes, else
+    the innermost frame of an installed package other than torch (a transformers model's own
+    line); ``""`` if none."""
     raising = raising_call(str(error))
     if raising is not None and not raising[0].startswith(_NOT_USER_DIRS):
         return _location(*raising)
@@ -52,12 +53,23 @@ def user_frame(error: BaseException) -> str:
     if user:
         return _location(user[-1].filename, user[-1].lineno or 0, user[-1].line or "")
     quoted = [(path, line) for path, line in quoted_frames(str(error)) if is_user_file(path)]
-    return _location(*quoted[-1], "") if quoted else ""
+    if quoted:
+        return _location(*quoted[-1], "")
+    installed = [f for f in frames if _is_model_file(f.filename)]  # a transformers model's own line
+    return _location(installed[-1].filename, installed[-1].lineno or 0, installed[-1].line or "") if installed else ""
+
+
+def _is_model_file(filename: str) -> bool:
+    """Whether ``filename`` may hold a model's code: neither torch, logging nor this package."""
+    return not filename.startswith(_NOT_USER_DIRS) and "/torch/" not in filename
 
 
 def _location(filename: str, lineno: int, line: str) -> str:
+    """``file:line: code``, the file relative to the working directory, or to the site-packages
+    directory of an installed package (``transformers/models/...``)."""
+    installed = filename.partition(f"site-packages{os.sep}")[2]
     try:
-        shown = os.path.relpath(filename)
+        shown = installed or os.path.relpath(filename)
     except ValueError:  # another drive (Windows)
         shown = filename
     return f"{shown}:{lineno}" + (f": {line.strip()}" if line.strip() else "")

@@ -588,6 +588,38 @@ def test_a_call_made_for_another_instances_weights_is_left_out_with_a_note(tmp_p
         "exported instance rejects it (RuntimeError: no marker token in inputs_embeds)"]
 
 
+VENDOR_MODEL = """
+import torch
+
+
+class CountCheck(torch.nn.Module):
+    def forward(self, x, labels):
+        index = (labels >= 0).nonzero()
+        if index.size(0) > 0:
+            return x * 2
+        return x
+"""
+
+
+def test_a_guard_in_an_installed_packages_model_names_its_line_from_the_package_root(tmp_path: Path) -> None:
+    """DeBERTa-v2's loss branches on the count of its valid labels: torch's message quotes no
+    call, and the model's line is the innermost frame outside torch, shown from site-packages."""
+    import importlib.util
+
+    installed = tmp_path / "site-packages" / "vendor_counts.py"  # as transformers' modeling files are
+    installed.parent.mkdir()
+    installed.write_text(VENDOR_MODEL)
+    spec = importlib.util.spec_from_file_location("vendor_counts", installed)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    group = observed(module.CountCheck(), (torch.randn(2, 3), torch.tensor([1, -2])),
+                     (torch.randn(3, 3), torch.tensor([0, 1, 2])))
+    result = check_model(group, settings(tmp_path / "export"))
+    assert (result.verdict, result.stage) == ("failed", "torch.export")
+    assert result.reason.endswith("(at vendor_counts.py:8: if index.size(0) > 0:)"), result.reason
+
+
 class MaskedTokenLoss(torch.nn.Module):
     """A tagger whose loss keeps the logits of unpadded positions only (``logits[mask != 0]``,
     as Gemma-3's and PaliGemma's): the number of targets depends on the mask's values."""
