@@ -33,9 +33,9 @@ from ..compat.torch_private import (
 from ..compat.torch_text import translated_op
 from ..core.text import error_line
 from ..core.trees import detached_clone, flat_outputs, spec_paths
-from ..core.vocabulary import Kind, Stage
+from ..core.vocabulary import AxisRole, Kind, Stage
 from ..shapes.model import ShapeModel
-from ..shapes.synthesis import example_leaves, free_variables
+from ..shapes.synthesis import example_leaves, free_variables, rows_repeated
 from .bound import bind_constants
 from .cache import CacheEntry, ExportCache
 from .decompositions import UNGUARDED_CROSS_ENTROPY
@@ -234,22 +234,33 @@ def _other_examples(
 
 def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> Example:
     """The example to trace: a recorded call with every dynamic size >= 2, else synthesized
-    inputs (checked by running the module eagerly), else the richest recorded call (traced
-    size-oblivious, a dynamic size of 0 or 1 stays dynamic)."""
+    inputs, else the richest recorded call with its batch of one repeated to two rows
+    (synthesized inputs may break what ties inputs' values together: image tokens in the ids for
+    the pixel values), both checked by running the module eagerly, else the richest recorded
+    call (traced size-oblivious, a dynamic size of 0 or 1 stays dynamic)."""
     constants = not outcome.bound
     index = shapes.safe_call()
-    if index is None:
-        leaves = example_leaves(shapes)
-        args, kwargs = detached_clone(shapes.aligned.split_arguments(leaves))  # the call grows caches in place
+    if index is not None:
+        leaves = shapes.call_leaves(index)
+        return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
+    index = shapes.aligned.complete_call()
+    ones = {v.name: 2 for v in shapes.variables if v.role == AxisRole.BATCH and v.values[index] == 1}
+    candidates: list[tuple[str, list[Any] | None]] = [
+        ("synthesized inputs", example_leaves(shapes)),
+        (f"call {index} with its batch of one repeated to two rows", rows_repeated(shapes, index, ones)),
+    ]
+    for what, candidate in candidates:
+        if candidate is None:
+            continue
+        args, kwargs = detached_clone(shapes.aligned.split_arguments(candidate))  # the call grows caches in place
         try:
             with torch.no_grad():
                 call(*args, **kwargs)
         except Exception as e:
-            outcome.notes.append(f"synthesized example rejected by eager ({type(e).__name__}); using a recorded call")
-        else:
-            outcome.notes.append("no recorded call has every dynamic size >= 2: exported on synthesized inputs")
-            return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
-        index = shapes.aligned.complete_call()
+            outcome.notes.append(f"{what} rejected by eager as an example ({type(e).__name__})")
+            continue
+        outcome.notes.append(f"no recorded call has every dynamic size >= 2: exported on {what}")
+        return Example(candidate, *shapes.aligned.split_arguments(candidate, constants=constants))
     leaves = shapes.call_leaves(index)
     return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
 

@@ -24,7 +24,7 @@ from ..core.trees import detached_clone
 from ..core.vocabulary import DimSource
 from ..shapes.dims import Axis
 from ..shapes.model import ShapeModel
-from ..shapes.synthesis import build_leaves, complete_sizes, export_sizes, free_variables
+from ..shapes.synthesis import build_leaves, complete_sizes, export_sizes, free_variables, rows_repeated
 from .eager import ModelRaised
 
 Eager = Callable[[list[Any]], Any]
@@ -43,7 +43,7 @@ def probe_unvaried_dims(shapes: ShapeModel, eager: Eager, notes: list[str]) -> S
     probed = shapes
     for name in candidates:
         error = _rejection(probed, eager, {name: base[name] + 1})
-        if error is not None:
+        if error is not None and not _runs_rows_repeated(probed, eager, name, base[name] + 1):
             probed = probed.without(name)
             notes.append(f"{name} kept static: eager rejects {name}={base[name] + 1} ({error})")
     return probed
@@ -136,6 +136,19 @@ def leaves_at(shapes: ShapeModel, changed: dict[str, int]) -> list[Any]:
     """Inputs synthesized at the export sizes but ``changed`` (derived sizes following)."""
     sizes = complete_sizes(shapes, {**_free_sizes(shapes), **changed})
     return build_leaves(shapes, sizes, torch.Generator().manual_seed(0))
+
+
+def _runs_rows_repeated(shapes: ShapeModel, eager: Eager, name: str, rows: int) -> bool:
+    """Whether eager runs the richest recorded call with batch variable ``name``'s rows repeated
+    to ``rows`` (synthesized inputs may be what eager rejected, not the size)."""
+    leaves = rows_repeated(shapes, shapes.aligned.complete_call(), {name: rows})
+    if leaves is None:
+        return False
+    try:
+        eager(detached_clone(leaves))
+    except ModelRaised:
+        return False
+    return True
 
 
 def _rejection(shapes: ShapeModel, eager: Eager, changed: dict[str, int]) -> str | None:

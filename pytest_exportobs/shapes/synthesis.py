@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..core.vocabulary import AxisRole
 from .dims import Relation, Window
 from .model import ShapeModel
 
@@ -90,6 +91,23 @@ def recipes(shapes: ShapeModel, pad_token_id: int | None = None) -> list[Recipe]
         return found
     return [dataclasses.replace(r, exclude=pad_token_id) if r.kind == "int" and name.endswith("input_ids") else r
             for r, name in zip(found, shapes.aligned.leaf_names)]
+
+
+def rows_repeated(shapes: ShapeModel, index: int, sizes: dict[str, int]) -> list[Any] | None:
+    """Call ``index``'s flat leaves with the rows of each batch variable in ``sizes`` repeated
+    (cyclically) to its size: each row a valid input as the tests made it, where synthesized
+    values may break what ties inputs together (image tokens in the ids for the pixel values).
+    ``None`` when a variable of ``sizes`` is no batch."""
+    batches = {v.name: v for v in shapes.variables if v.role == AxisRole.BATCH}
+    if not sizes or not set(sizes) <= batches.keys():
+        return None
+    leaves = list(shapes.call_leaves(index))
+    for name, rows in sizes.items():
+        for leaf, dim in batches[name].axes:
+            value = leaves[leaf]
+            if isinstance(value, torch.Tensor) and value.shape[dim] > 0:
+                leaves[leaf] = value.index_select(dim, torch.arange(rows) % value.shape[dim])
+    return leaves
 
 
 def build_leaves(

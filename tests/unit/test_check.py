@@ -620,6 +620,48 @@ def test_a_guard_in_an_installed_packages_model_names_its_line_from_the_package_
     assert result.reason.endswith("(at vendor_counts.py:8: if index.size(0) > 0:)"), result.reason
 
 
+class ImageTokens(torch.nn.Module):
+    """Puts each row's image features at its image token (id 7), as VLMs do; a row without
+    exactly one image token is rejected, as Gemma-3 rejects ids that do not match its images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.vision, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(12, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+        marked = input_ids == 7
+        torch._check(marked.sum().item() == pixel_values.shape[0], lambda: "image tokens do not match the images")
+        embeds = self.embed(input_ids).masked_scatter(marked.unsqueeze(-1).expand(-1, -1, 8), self.vision(pixel_values))
+        return self.head(embeds)
+
+
+def test_a_batch_of_one_whose_synthesized_inputs_eager_rejects_is_traced_at_two_repeated_rows(
+        tmp_path: Path) -> None:
+    """Every test sends one image: synthesized ids hold no image token where the pixel values
+    need one, so the example is the recorded call with its row repeated, and the ONNX serves
+    batches of three."""
+    from pytest_exportobs.engine.verify import OnnxRunner
+
+    def row(length: int, at: int) -> list[int]:
+        return [7 if i == at else 1 + i % 6 for i in range(length)]
+
+    torch.manual_seed(0)
+    model = ImageTokens().eval()
+    group = observed(model, (torch.tensor([row(5, 2)]), torch.randn(1, 12)),
+                     (torch.tensor([row(7, 0)]), torch.randn(1, 12)))
+    result = check_model(group, settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"input_ids": {"0": "batch", "1": "seq"}, "pixel_values": {"0": "batch"}}
+    assert "synthesized inputs rejected by eager as an example (RuntimeError)" in result.notes
+    assert ("no recorded call has every dynamic size >= 2: exported on call 0 with its batch of one repeated "
+            "to two rows") in result.notes
+    assert not any(note.startswith("batch kept static") for note in result.notes)  # the probe repeats rows too
+    unseen = (torch.tensor([row(6, 1), row(6, 5), row(6, 3)]), torch.randn(3, 12))
+    with torch.no_grad():
+        expected = model(*unseen)
+    torch.testing.assert_close(torch.from_numpy(OnnxRunner(Path(result.onnx_path))(list(unseen))[0]), expected)
+
+
 class MaskedTokenLoss(torch.nn.Module):
     """A tagger whose loss keeps the logits of unpadded positions only (``logits[mask != 0]``,
     as Gemma-3's and PaliGemma's): the number of targets depends on the mask's values."""
