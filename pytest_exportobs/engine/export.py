@@ -33,9 +33,8 @@ from ..compat.torch_private import (
 from ..compat.torch_text import translated_op
 from ..core.text import error_line
 from ..core.trees import detached_clone, flat_outputs, spec_paths
-from ..core.vocabulary import AxisRole, Kind, Stage
+from ..core.vocabulary import Kind, Stage
 from ..shapes.model import ShapeModel
-from ..shapes.synthesis import example_leaves, free_variables, rows_repeated
 from .bound import bind_constants
 from .cache import CacheEntry, ExportCache
 from .decompositions import UNGUARDED_CROSS_ENTROPY
@@ -50,13 +49,13 @@ from .domain import (
     refinements,
 )
 from .environment import EnvironmentProblem, writing
-from .probe import SizeProbe, leaves_at
+from .examples import example_to_trace, other_examples
+from .probe import SizeProbe
 from .reasons import one_line_reason
 from .result import ExportFiles
 from .tracing import Example, Specialized, Traced, trace
 from .verify import Tolerance, compare
 
-MAX_RETRACES = 2  # recorded calls of other sizes traced when torch pins a dim at the example's size
 _ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten._assert_async.msg)
 MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
 
@@ -127,7 +126,7 @@ def export_model(
     stages = Stages(outcome)
     exported = bind_constants(module, method, shapes.aligned)
     outcome.bound = exported is not module
-    outcome.example = _example(getattr(module, method), shapes, outcome)
+    outcome.example = example_to_trace(getattr(module, method), shapes, not outcome.bound, outcome.notes)
     key = None
     if target == "onnx" and cache is not None:
         key = cache.key(module, method, shapes, outcome.example.args, outcome.example.kwargs)
@@ -178,7 +177,7 @@ def _trace(
         outcome.shapes = shapes = pinned.shapes
         if not pinned.retrace:
             raise
-        for what, leaves in _other_examples(shapes, outcome.example, pinned.name, probe):
+        for what, leaves in other_examples(shapes, outcome.example, pinned.name, probe):
             example = Example(leaves, *shapes.aligned.split_arguments(leaves, constants=not outcome.bound))
             try:
                 found = trace(module, shapes, example, not outcome.bound, outcome.notes, probe)
@@ -210,59 +209,6 @@ def _reproduces(program: torch.export.ExportedProgram, module: torch.nn.Module, 
     except Exception:  # the program rejects the size, or the model's own call fails there
         return False
     return compare(actual, expected, Tolerance()).ok
-
-
-def _other_examples(
-    shapes: ShapeModel, example: Example, name: str, probe: SizeProbe | None,
-) -> Iterator[tuple[str, list[Any]]]:
-    """Examples where variable ``name`` has another size than in ``example``: recorded calls fit
-    to trace (every input present, dynamic sizes >= 2), then inputs synthesized at a size one step
-    of its largest power-of-two divisor above (32 -> 48), when eager accepts them."""
-    var = next((v for v in shapes.variables if v.name == name), None)
-    if var is None:
-        return
-    traced = max(example.leaves[leaf].shape[dim] for leaf, dim in var.axes
-                 if isinstance(example.leaves[leaf], torch.Tensor))
-    calls = [i for i in range(shapes.aligned.n_calls) if None not in shapes.aligned.calls[i]
-             and not shapes.small_variables(i) and var.values[i] != traced]
-    for index in calls[:MAX_RETRACES]:
-        yield f"call {index}", shapes.call_leaves(index)
-    size = traced + min(16, traced & -traced)
-    if name in free_variables(shapes) and probe is not None and probe.accepts(name, size):
-        yield f"inputs synthesized at {name}={size}", leaves_at(shapes, {name: size})
-
-
-def _example(call: Any, shapes: ShapeModel, outcome: ExportOutcome) -> Example:
-    """The example to trace: a recorded call with every dynamic size >= 2, else synthesized
-    inputs, else the richest recorded call with its batch of one repeated to two rows
-    (synthesized inputs may break what ties inputs' values together: image tokens in the ids for
-    the pixel values), both checked by running the module eagerly, else the richest recorded
-    call (traced size-oblivious, a dynamic size of 0 or 1 stays dynamic)."""
-    constants = not outcome.bound
-    index = shapes.safe_call()
-    if index is not None:
-        leaves = shapes.call_leaves(index)
-        return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
-    index = shapes.aligned.complete_call()
-    ones = {v.name: 2 for v in shapes.variables if v.role == AxisRole.BATCH and v.values[index] == 1}
-    candidates: list[tuple[str, list[Any] | None]] = [
-        ("synthesized inputs", example_leaves(shapes)),
-        (f"call {index} with its batch of one repeated to two rows", rows_repeated(shapes, index, ones)),
-    ]
-    for what, candidate in candidates:
-        if candidate is None:
-            continue
-        args, kwargs = detached_clone(shapes.aligned.split_arguments(candidate))  # the call grows caches in place
-        try:
-            with torch.no_grad():
-                call(*args, **kwargs)
-        except Exception as e:
-            outcome.notes.append(f"{what} rejected by eager as an example ({type(e).__name__})")
-            continue
-        outcome.notes.append(f"no recorded call has every dynamic size >= 2: exported on {what}")
-        return Example(candidate, *shapes.aligned.split_arguments(candidate, constants=constants))
-    leaves = shapes.call_leaves(index)
-    return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
 
 
 def _refine(

@@ -1,0 +1,73 @@
+"""The inputs an export traces: a recorded call, else inputs made from the recorded ones.
+
+:func:`example_to_trace` picks the first example; :func:`other_examples` the ones traced again
+when torch pins a dim at the size the first one happens to have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..core.trees import detached_clone
+from ..core.vocabulary import AxisRole
+from ..shapes.model import ShapeModel
+from ..shapes.synthesis import example_leaves, free_variables, rows_repeated
+from .probe import SizeProbe, leaves_at
+from .tracing import Example
+
+MAX_RETRACES = 2  # recorded calls of other sizes traced when torch pins a dim at the example's size
+
+
+def example_to_trace(call: Any, shapes: ShapeModel, constants: bool, notes: list[str]) -> Example:
+    """The example to trace: a recorded call with every dynamic size >= 2, else synthesized
+    inputs, else the richest recorded call with its batch of one repeated to two rows
+    (synthesized inputs may break what ties inputs' values together: image tokens in the ids for
+    the pixel values), both checked by running the module eagerly, else the richest recorded
+    call (traced size-oblivious, a dynamic size of 0 or 1 stays dynamic)."""
+    index = shapes.safe_call()
+    if index is not None:
+        leaves = shapes.call_leaves(index)
+        return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
+    index = shapes.aligned.complete_call()
+    ones = {v.name: 2 for v in shapes.variables if v.role == AxisRole.BATCH and v.values[index] == 1}
+    candidates: list[tuple[str, list[Any] | None]] = [
+        ("synthesized inputs", example_leaves(shapes)),
+        (f"call {index} with its batch of one repeated to two rows", rows_repeated(shapes, index, ones)),
+    ]
+    for what, candidate in candidates:
+        if candidate is None:
+            continue
+        args, kwargs = detached_clone(shapes.aligned.split_arguments(candidate))  # the call grows caches in place
+        try:
+            with torch.no_grad():
+                call(*args, **kwargs)
+        except Exception as e:
+            notes.append(f"{what} rejected by eager as an example ({type(e).__name__})")
+            continue
+        notes.append(f"no recorded call has every dynamic size >= 2: exported on {what}")
+        return Example(candidate, *shapes.aligned.split_arguments(candidate, constants=constants))
+    leaves = shapes.call_leaves(index)
+    return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
+
+
+def other_examples(
+    shapes: ShapeModel, example: Example, name: str, probe: SizeProbe | None,
+) -> Iterator[tuple[str, list[Any]]]:
+    """Examples where variable ``name`` has another size than in ``example``: recorded calls fit
+    to trace (every input present, dynamic sizes >= 2), then inputs synthesized at a size one step
+    of its largest power-of-two divisor above (32 -> 48), when eager accepts them."""
+    var = next((v for v in shapes.variables if v.name == name), None)
+    if var is None:
+        return
+    traced = max(example.leaves[leaf].shape[dim] for leaf, dim in var.axes
+                 if isinstance(example.leaves[leaf], torch.Tensor))
+    calls = [i for i in range(shapes.aligned.n_calls) if None not in shapes.aligned.calls[i]
+             and not shapes.small_variables(i) and var.values[i] != traced]
+    for index in calls[:MAX_RETRACES]:
+        yield f"call {index}", shapes.call_leaves(index)
+    size = traced + min(16, traced & -traced)
+    if name in free_variables(shapes) and probe is not None and probe.accepts(name, size):
+        yield f"inputs synthesized at {name}={size}", leaves_at(shapes, {name: size})
