@@ -3,7 +3,9 @@
 Before exporting a dim the tests never varied, check that eager accepts another size.  A role
 makes the batch, sequence and cache lengths dynamic even when every test used one size.  Some
 models cannot take another size (a reshape to the batch they were written for): eager rejects it,
-and such a dim is kept static, with a note, rather than blamed on the export.
+and such a dim is kept static, with a note, rather than blamed on the export.  A batch is also
+tried as a recorded call's rows repeated: synthesized values, not the size, may be what eager
+rejects (ids without the image tokens its pixel values need).
 
 When torch bounds a dim, :class:`SizeProbe` tells whether the model reaches a size past the bound:
 on inputs synthesized there, or by its own next step.  A step may part the dim's axes: the layers
