@@ -31,7 +31,7 @@ class CacheEntry:
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    refinements: list[Refinement] = field(default_factory=list)  # what torch proved
+    refinements: list[Refinement] = field(default_factory=list)  # what the export established
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
 
 

@@ -170,7 +170,7 @@ def apply_refinements(shapes: ShapeModel, found: list[Refinement]) -> tuple[Shap
             shapes = shapes.merged(name, into=into)
             notes.append(f"torch.export proved {name} = {into}")
         elif refinement.kind == RefinementKind.SPLIT:
-            held, limit = window_name(name), int(refinement.value)
+            held, limit = _window_name(name), int(refinement.value)
             shapes = shapes.split(name, refinement.axes, held, limit)
             axes = ", ".join(f"{shapes.aligned.leaf_names[leaf]}.{dim}" for leaf, dim in refinement.axes)
             notes.append(f"{held} ({axes}) a length apart from {name}, {held} = min({name}, {limit}): the"
@@ -185,7 +185,7 @@ def apply_refinements(shapes: ShapeModel, found: list[Refinement]) -> tuple[Shap
     return shapes, notes
 
 
-def window_name(name: str) -> str:
+def _window_name(name: str) -> str:
     """The variable a sliding window's axes of variable ``name`` become."""
     return f"{name}_window"
 

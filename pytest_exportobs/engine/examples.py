@@ -6,7 +6,7 @@ when torch pins a dim at the size the first one happens to have.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,11 +33,12 @@ def example_to_trace(call: Any, shapes: ShapeModel, constants: bool, notes: list
         return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
     index = shapes.aligned.complete_call()
     ones = {v.name: 2 for v in shapes.variables if v.role == AxisRole.BATCH and v.values[index] == 1}
-    candidates: list[tuple[str, list[Any] | None]] = [
-        ("synthesized inputs", example_leaves(shapes)),
-        (f"call {index} with its batch of one repeated to two rows", rows_repeated(shapes, index, ones)),
+    candidates: list[tuple[str, Callable[[], list[Any] | None]]] = [
+        ("synthesized inputs", lambda: example_leaves(shapes)),
+        (f"call {index} with its batch of one repeated to two rows", lambda: rows_repeated(shapes, index, ones)),
     ]
-    for what, candidate in candidates:
+    for what, make in candidates:
+        candidate = make()  # the second only when eager rejects the first
         if candidate is None:
             continue
         args, kwargs = detached_clone(shapes.aligned.split_arguments(candidate))  # the call grows caches in place

@@ -81,7 +81,7 @@ class ExportOutcome(ExportFiles):
     bound: bool = False  # the exported module is a BoundConstants: its inputs are tensors only
     example: Example | None = None
     dims: dict[str, dict[str, str]] = field(default_factory=dict)
-    refinements: list[Refinement] = field(default_factory=list)  # what torch proved
+    refinements: list[Refinement] = field(default_factory=list)  # what the export established
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
 
 

@@ -144,19 +144,18 @@ def _runs_rows_repeated(shapes: ShapeModel, eager: Eager, name: str, rows: int) 
     """Whether eager runs the richest recorded call with batch variable ``name``'s rows repeated
     to ``rows`` (synthesized inputs may be what eager rejected, not the size)."""
     leaves = rows_repeated(shapes, shapes.aligned.complete_call(), {name: rows})
-    if leaves is None:
-        return False
-    try:
-        eager(detached_clone(leaves))
-    except ModelRaised:
-        return False
-    return True
+    return leaves is not None and _eager_rejection(eager, leaves) is None
 
 
 def _rejection(shapes: ShapeModel, eager: Eager, changed: dict[str, int]) -> str | None:
     """Why eager fails on inputs at the export sizes but ``changed`` (``None``: it runs)."""
+    return _eager_rejection(eager, leaves_at(shapes, changed))
+
+
+def _eager_rejection(eager: Eager, leaves: list[Any]) -> str | None:
+    """Why eager fails on ``leaves`` (``None``: it runs)."""
     try:
-        eager(detached_clone(leaves_at(shapes, changed)))
+        eager(detached_clone(leaves))
     except ModelRaised as e:  # the model's own check of its input sizes
         return str(e)
     return None

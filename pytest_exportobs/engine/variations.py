@@ -278,6 +278,5 @@ def _database_key(shapes: ShapeModel) -> bytes:
         if isinstance(value, torch.Tensor) else [name, type(value).__name__]
         for name, value, axes in zip(shapes.aligned.leaf_names, template, shapes.leaf_axes())
     ]
-    relations = [str(r) for r in (*shapes.relations, *shapes.windows)]
-    description = json.dumps({"leaves": leaves, "relations": relations})
+    description = json.dumps({"leaves": leaves, "relations": [str(d) for d in shapes.derivations]})
     return DATABASE_PREFIX + hashlib.sha256(description.encode()).hexdigest().encode()

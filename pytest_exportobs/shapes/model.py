@@ -101,6 +101,11 @@ class ShapeModel:
             self, variables=[v for v in self.variables if v.name != name], relations=self._relations_without(name),
             windows=self._windows_without(name))
 
+    @property
+    def derivations(self) -> list[Relation | Window]:
+        """Every size that follows others: the relations, then the sliding windows."""
+        return [*self.relations, *self.windows]
+
     def _relations_without(self, name: str) -> list[Relation]:
         return [r for r in self.relations if name not in (r.derived, *r.terms)]
 

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from ..core.vocabulary import AxisRole
-from .dims import Relation, Window
 from .model import ShapeModel
 
 
@@ -43,7 +42,7 @@ IGNORE_INDEX = -100  # the default ignore_index of torch's cross-entropy and NLL
 
 def free_variables(shapes: ShapeModel) -> list[str]:
     """Variables a caller may size; derived ones follow their relation (or window)."""
-    derived = {r.derived for r in shapes.relations} | {w.derived for w in shapes.windows}
+    derived = {d.derived for d in shapes.derivations}
     return [v.name for v in shapes.variables if v.name not in derived]
 
 
@@ -52,7 +51,7 @@ def complete_sizes(shapes: ShapeModel, free: dict[str, int]) -> dict[str, int]:
     (``height = 2*height_half``, ``total_seq = past_seq + seq``, ``past_seq_window =
     min(past_seq, 15)``), relations on derived ones included."""
     sizes = dict(free)
-    pending: list[Relation | Window] = [*shapes.relations, *shapes.windows]
+    pending = shapes.derivations
     while pending:
         ready = [r for r in pending if all(t in sizes for t in r.terms)]
         if not ready:
