@@ -4,8 +4,9 @@ breaks this module only, and its tests say which (``tests/unit/test_compat.py``)
 torch.onnx.export's two steps (torch.onnx._internal.exporter), called apart so that each is timed
 and reported on its own with one torchlib registry per process; what it enters around
 torch.export (size-oblivious sizes, the RNN while-loop decompositions); the error torch.export
-raises for rejected dims; fake tensors.  ``torch.utils._pytree`` is not here: it is the pytree
-API the ecosystem (torch.export's own docs, transformers, the peers) uses under that name.
+raises for rejected dims; fake tensors; the removal of a pytree node, which torch offers for its
+Python side only.  The rest of ``torch.utils._pytree`` is not here: it is the pytree API the
+ecosystem (torch.export's own docs, transformers, the peers) uses under that name.
 """
 
 from __future__ import annotations
@@ -19,16 +20,36 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._dynamo.exc import UserError as ExportUserError
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = [
-    "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "import_export_machinery", "onnx_registry",
+    "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node", "import_export_machinery",
+    "onnx_registry",
     "prepare_for_onnx", "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "to_onnx_program",
 ]
 
 # torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
 DEFERRED_ASSERTS = "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(torch.export.export).parameters
+
+
+def deregister_pytree_node(cls: type) -> None:
+    """Undo ``torch.utils._pytree.register_pytree_node(cls, ...)``.
+
+    With optree installed, the registration also registers ``cls`` with torch's C++ pytree, or
+    queues it for when torch imports that (dynamo does); torch's ``_deregister_pytree_node``
+    forgets both, so that registering ``cls`` again raises "already registered" there, or each
+    queued copy does when the import comes."""
+    pytree._deregister_pytree_node(cls)
+    if pytree._cxx_pytree_imported:
+        import optree
+
+        with contextlib.suppress(ValueError):  # registered on the Python side only (a structseq)
+            optree.unregister_pytree_node(cls, namespace="torch")
+    else:
+        pytree._cxx_pytree_pending_imports[:] = [
+            pending for pending in pytree._cxx_pytree_pending_imports if pending[0][0] is not cls]
 
 
 def import_export_machinery() -> None:

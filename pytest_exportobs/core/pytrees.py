@@ -31,6 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..compat.export_patches import export_patches
+from ..compat.torch_private import deregister_pytree_node
 from .caches import ENCODER_DECODER_FIELDS, KeyValue, cache_module, dynamic_cache, static_cache
 
 # the context is a list of names, or a MixedLayers for a DynamicCache of mixed layers
@@ -207,7 +208,7 @@ def _release(held: list[type]) -> None:
                 del _owned[cls]
                 node = pytree.SUPPORTED_NODES.get(cls)
                 if node is not None and node.flatten_fn.__module__ == __name__:
-                    pytree._deregister_pytree_node(cls)
+                    deregister_pytree_node(cls)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from pytest_exportobs.compat.torch_private import (
     DEFERRED_ASSERTS,
     ExportUserError,
     FakeTensor,
+    deregister_pytree_node,
     import_export_machinery,
     onnx_registry,
     prepare_for_onnx,
@@ -62,6 +63,21 @@ def test_the_exporters_two_steps_and_axis_renaming_make_a_valid_onnx_model() -> 
     (graph_input,) = proto.graph.input
     assert [d.dim_param or d.dim_value for d in graph_input.type.tensor_type.shape.dim] == ["batch_size", 4]
     assert onnx_registry() is onnx_registry()  # built once per process
+
+
+def test_a_pytree_node_deregistered_is_a_leaf_again_and_registers_again() -> None:
+    class Pair:
+        def __init__(self, a: Any, b: Any):
+            self.a, self.b = a, b
+
+    import torch.utils._pytree as pytree
+
+    for _ in range(2):
+        pytree.register_pytree_node(Pair, lambda p: ([p.a, p.b], None), lambda values, _: Pair(*values))
+        assert pytree.tree_leaves(Pair(1, 2)) == [1, 2]
+        deregister_pytree_node(Pair)
+        assert len(pytree.tree_leaves(Pair(1, 2))) == 1
+    assert all(args[0] is not Pair for args, _ in pytree._cxx_pytree_pending_imports)
 
 
 def test_size_oblivious_keeps_a_size_of_one_dynamic() -> None:

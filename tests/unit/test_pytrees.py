@@ -264,6 +264,34 @@ def test_registration_is_removed_when_the_block_raises(cache_utils):
     assert cache_utils.DynamicCache not in pytree.SUPPORTED_NODES
 
 
+
+def test_with_optree_queued_registrations_leave_with_the_block(cache_utils, monkeypatch):
+    """Until torch imports its C++ pytree, each registration is queued for it: a queued copy per
+    block would each register the class again when the import comes ("already registered")."""
+    monkeypatch.setattr(pytree, "_cxx_pytree_exists", True)
+    monkeypatch.setattr(pytree, "_cxx_pytree_imported", False)
+    monkeypatch.setattr(pytree, "_cxx_pytree_pending_imports", [])
+    for _ in range(2):
+        with register_flattening_functions():
+            queued = [args[0] for args, _ in pytree._cxx_pytree_pending_imports]
+            assert cache_utils.DynamicCache in queued and cache_utils.EncoderDecoderCache in queued
+    queued = [args[0] for args, _ in pytree._cxx_pytree_pending_imports]
+    assert not [cls for cls in queued if cls.__module__ == cache_utils.__name__]  # transformers' outputs stay
+
+
+def test_with_optree_imported_a_class_registers_again_in_the_next_block(cache_utils):
+    optree = pytest.importorskip("optree")
+    import torch.utils._cxx_pytree  # noqa: F401  # as dynamo imports it
+
+    pairs = kv_pairs()
+    for _ in range(2):
+        with register_flattening_functions():
+            leaves, _ = torch.utils._cxx_pytree.tree_flatten(make_dynamic_cache(pairs))
+            assert len(leaves) == 4
+    leaves = optree.tree_leaves(make_dynamic_cache(pairs), namespace="torch", none_is_leaf=True)
+    assert len(leaves) == 1  # a leaf again
+
+
 @pytest.fixture
 def someone_elses_dynamic_cache(cache_utils):
     def flatten(cache):
