@@ -288,8 +288,9 @@ def _load_cached(cache: ExportCache, key: str, path: Path, shapes: ShapeModel, o
 
 
 def prepare(target: str) -> None:
-    """Import what the first export imports and build the torchlib registry, once: checks forked
-    from this process inherit them instead of each paying about 2 s for them."""
+    """Import what the first export imports and build the torchlib registry, once, before the
+    checks: checks forked from this process inherit them instead of each paying about 2 s for
+    them, and they are part of the heap frozen while the checks run."""
     import_export_machinery()
     if target == "onnx":
         importlib.import_module("onnxruntime")

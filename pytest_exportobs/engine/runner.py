@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import multiprocessing
 import os
 import signal
@@ -73,15 +74,35 @@ def check_all(
     threads = threads or torch.get_num_threads()
     groups = list(groups)
     trackers = [_Progress(f"exportobs [{i}/{len(groups)}] {g.name}", progress) for i, g in enumerate(groups, 1)]
-    if isolate or jobs > 1:
-        yield from _forked(groups, settings, trackers, jobs, threads)
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        yield from _in_turn(groups, settings, trackers)
+        prepare(settings.target)
+    except KeyboardInterrupt:
+        yield from map(interrupted, groups)
+        return
+    with _heap_frozen():
+        if isolate or jobs > 1:
+            yield from _forked(groups, settings, trackers, jobs, threads)
+            return
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            yield from _in_turn(groups, settings, trackers)
+        finally:
+            torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def _heap_frozen() -> Iterator[None]:
+    """The objects that exist before the checks, out of the garbage collector's reach while they
+    run: the collections of a check (a tiny Llama's export starts about one full collection of the
+    heap per model) walk only what the checks made, and a forked check neither walks nor copies
+    its parent's objects (Python's advice for fork without exec).  Garbage among the frozen
+    objects waits for the first collection after the block."""
+    gc.freeze()
+    try:
+        yield
     finally:
-        torch.set_num_threads(previous)
+        gc.unfreeze()
 
 
 def _in_turn(groups: list[ModelGroup], settings: CheckSettings, trackers: list[_Progress]) -> Iterator[ModelResult]:
@@ -246,7 +267,6 @@ def _forked(
     waiting = list(zip(groups, trackers))
     running: list[_Child] = []
     try:
-        prepare(settings.target)
         while waiting or running:
             while waiting and len(running) < jobs:
                 started = _start(*waiting[0], settings, threads)

@@ -3,6 +3,7 @@ xdist workers — and observation that never changes what a test does."""
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -16,7 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pytest_exportobs.core.vocabulary import Verdict
+from pytest_exportobs.engine import runner
 from pytest_exportobs.engine.export import prepare
+from pytest_exportobs.engine.result import ModelResult
 from pytest_exportobs.engine.runner import ModelTimeout, check_all, time_limit
 from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
@@ -206,6 +210,23 @@ def test_ctrl_c_while_a_child_starts_leaves_its_model_interrupted(
     assert [(r.name, r.verdict, r.reason) for r in results] == [
         ("first", "passed", ""), ("second", "interrupted", "interrupted (Ctrl-C) before its check began")]
 
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "forked"])
+def test_the_checks_collect_their_garbage_without_walking_the_objects_made_before_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isolate: bool
+) -> None:
+    """The heap is frozen while the checks run (a forked child inherits it frozen: Python's
+    advice for fork without exec) and given back to the collector after them."""
+
+    def frozen_objects(group: ModelGroup, *_: object) -> ModelResult:
+        return ModelResult(name=group.name, verdict=Verdict.PASSED, reason=str(gc.get_freeze_count()))
+
+    monkeypatch.setattr(runner, "check_model", frozen_objects)  # a forked child inherits it
+    before = gc.get_freeze_count()
+    settings = CheckSettings(export_dir=tmp_path, target="torch", examples=0)
+    [result] = check_all([forked_group("mlp")], settings, isolate=isolate)
+    assert int(result.reason) > 100_000  # torch alone holds more
+    assert gc.get_freeze_count() == before
 
 
 def _deliverable_sigint() -> None:

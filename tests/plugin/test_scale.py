@@ -191,6 +191,34 @@ def test_a_model_whose_collected_tests_did_not_observe_it_is_missing(
     ])
 
 
+EXIT_RECORDER = """
+import atexit, gc
+
+@atexit.register  # at conftest import, before the plugin's own: runs after it
+def record_frozen_objects():
+    with open("frozen.txt", "a") as f:
+        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {gc.get_freeze_count()}\\n")
+"""
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_every_process_of_a_checking_session_exits_with_its_heap_frozen(
+    suite: pytest.Pytester, xdist: list[str]
+) -> None:
+    """The interpreter's collections at exit then skip the objects torch and the exports left."""
+    suite.makeconftest(CONFTEST + EXIT_RECORDER)
+    frozen = suite.path / "frozen.txt"
+    suite.runpytest_subprocess("-p", "no:cacheprovider", *xdist).assert_outcomes(passed=11)  # check off
+    processes = {"main"} | ({"gw0", "gw1"} if xdist else set())
+    counts = dict(line.split() for line in frozen.read_text().splitlines())
+    assert counts == dict.fromkeys(processes, "0")
+    frozen.unlink()
+    run(suite, *xdist)
+    counts = dict(line.split() for line in frozen.read_text().splitlines())
+    assert counts.keys() == processes
+    assert all(int(count) > 100_000 for count in counts.values()), counts  # torch alone holds more
+
+
 TAGGER = '''
 import torch
 
