@@ -20,21 +20,32 @@ model, which must be all 200 on the observed and marked sides and none on the pl
 sides run in turn (rotating the order) after one discarded warm-up of each; a ratio is the median
 of the per-round ratios of wall time (the target's clock), CPU time beside it.
 
+P6t (``--transformers TREE --arch llama ...``, not part of ``run.py``): the same timer on
+transformers' own model tests (the tree ``validation/README.md`` makes, run by ``--python``, an
+environment with transformers and its test dependencies), ``-p no:exportobs`` against
+``--export-check --export-observe transformers.PreTrainedModel``, no test edited; both sides must
+fail the same number of tests.
+
 P6b: the wrapper's own cost per call, in this process: a trivial target module called 20000 times
 inside ``AutoObserve.calls`` (already observed: the outermost path; and nested in another target:
 the inner path), against the same calls outside.
 
     python benchmarks/p6_observe_suite.py [--quick] [--reps N]
+    python benchmarks/p6_observe_suite.py --transformers TREE --arch llama bert --python ENV/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import pstats
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -56,11 +67,9 @@ N_TESTS = 200
 CALLS = 20000
 
 CONFTEST = '''\
-import json, os, time
+import os
 import pytest, torch
 from transformers import LlamaConfig, LlamaForCausalLM  # imported here on both sides, not in the timed loop
-
-observed = []
 
 @pytest.fixture(scope=os.environ["P6_SCOPE"])
 def llama():
@@ -70,6 +79,14 @@ def llama():
     model = LlamaForCausalLM(config).eval()
     model.generation_config.pad_token_id = 0
     return model
+'''
+
+# A plugin (``-p p6_timer``) timing the test phase and counting the tests that observed a model.
+TIMER = '''\
+import json, os, time
+import pytest
+
+observed = []
 
 def pytest_runtest_logreport(report):
     if report.when == "call":
@@ -77,12 +94,20 @@ def pytest_runtest_logreport(report):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtestloop(session):
+    profile = None
+    if os.environ.get("P6_PROFILE"):
+        import cProfile
+        profile = cProfile.Profile()
+        profile.enable()
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         return (yield)
     finally:
         timing = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu, "observed": len(observed),
                   "failed": session.testsfailed}
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(os.environ["P6_PROFILE"])
         with open(os.environ["P6_TIMING"], "w") as f:
             json.dump(timing, f)
         os._exit(0)  # the test phase is measured: the export check would come next
@@ -117,36 +142,74 @@ SIDES = {
 }
 
 
-def run_side(root: Path, side: str, scope: str) -> Timing:
-    """One child session; the test phase's timing, after checking what it observed."""
-    timing_file = root / f"timing-{side}.json"
-    cmd = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SIDES[side]]
-    env = child_env(P6_TIMING=str(timing_file), P6_SCOPE=scope, OMP_NUM_THREADS="1")
-    if side == "marked":
-        env["P6_MARKED"] = "1"
-    run_child(cmd, cwd=str(root), env=env)
-    data = json.loads(timing_file.read_text())
-    expected = 0 if side == "plain" else N_TESTS
-    if data["failed"] or data["observed"] != expected:
-        raise RuntimeError(f"{side}: {data['failed']} tests failed, {data['observed']} observed (expected {expected})")
-    return Timing(data["wall"], data["cpu"])
+def run_timed(python: str, cwd: Path, args: list[str], timer: Path, **env: str) -> dict[str, Any]:
+    """One child session with the timer plugin (in directory ``timer``): its test phase's timing,
+    the tests that failed and those that observed a model."""
+    timing_file = timer / "timing.json"
+    timing_file.unlink(missing_ok=True)
+    path = os.pathsep.join(filter(None, [str(timer), os.environ.get("PYTHONPATH")]))
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "p6_timer", *args]
+    run_child(cmd, cwd=str(cwd), env=child_env(P6_TIMING=str(timing_file), PYTHONPATH=path, OMP_NUM_THREADS="1", **env))
+    return json.loads(timing_file.read_text())
+
+
+def rounds(sides: dict[str, Callable[[], Timing]], reps: int, label: str) -> dict[str, Samples]:
+    """Each side once as a warm-up, then ``reps`` rounds of all, rotating their order."""
+    samples = {side: Samples(side) for side in sides}
+    for run in sides.values():
+        run()
+    order = list(sides)
+    for rep in range(reps):
+        for side in order[rep % len(order):] + order[:rep % len(order)]:
+            samples[side].add(sides[side]())
+        log(f"{label}: round {rep + 1}/{reps}: " + ", ".join(
+            f"{side} {samples[side].values[-1].wall:.2f}s" for side in sides))
+    return samples
 
 
 def measure_suite(reps: int, scope: str) -> dict[str, Samples]:
     """Test-phase timings of each side, for the suite with a ``scope`` model fixture."""
-    samples = {side: Samples(side) for side in SIDES}
     with tempfile.TemporaryDirectory(prefix="exportobs-p6-") as tmp:
         root = Path(tmp)
         (root / "conftest.py").write_text(CONFTEST)
         (root / "test_suite.py").write_text(TESTS)
-        for side in SIDES:  # warm-up
-            run_side(root, side, scope)
-        order = list(SIDES)
-        for rep in range(reps):
-            for side in order[rep % len(order):] + order[:rep % len(order)]:
-                samples[side].add(run_side(root, side, scope))
-            log(f"P6 ({scope} fixture): round {rep + 1}/{reps}: " + ", ".join(
-                f"{side} {samples[side].values[-1].wall:.2f}s" for side in SIDES))
+        (root / "p6_timer.py").write_text(TIMER)
+
+        def side(name: str) -> Callable[[], Timing]:
+            def run() -> Timing:
+                env = {"P6_SCOPE": scope, **({"P6_MARKED": "1"} if name == "marked" else {})}
+                data = run_timed(PYTHON, root, SIDES[name], root, **env)
+                expected = 0 if name == "plain" else N_TESTS
+                if data["failed"] or data["observed"] != expected:
+                    raise RuntimeError(f"{name}: {data['failed']} tests failed, {data['observed']} observed "
+                                       f"(expected {expected})")
+                return Timing(data["wall"], data["cpu"])
+            return run
+
+        return rounds({name: side(name) for name in SIDES}, reps, f"P6 ({scope} fixture)")
+
+
+def measure_transformers(python: str, tests: Path, arch: str, reps: int) -> dict[str, Samples]:
+    """Test-phase timings of transformers' model tests of ``arch`` (a tree made as
+    ``validation/README.md`` says), without the plugin and with every model observed."""
+    module = f"tests/models/{arch}/test_modeling_{arch}.py"
+    counts: dict[str, set[int]] = {"plain": set(), "observed": set()}
+    with tempfile.TemporaryDirectory(prefix="exportobs-p6t-") as tmp:
+        timer = Path(tmp)
+        (timer / "p6_timer.py").write_text(TIMER)
+
+        def side(name: str) -> Callable[[], Timing]:
+            def run() -> Timing:
+                data = run_timed(python, tests, [module, *SIDES[name]], timer, HF_HUB_OFFLINE="1")
+                if (data["observed"] > 0) != (name == "observed"):
+                    raise RuntimeError(f"{name}: {data['observed']} tests observed a model")
+                counts[name].add(data["failed"])
+                return Timing(data["wall"], data["cpu"])
+            return run
+
+        samples = rounds({name: side(name) for name in ("plain", "observed")}, reps, f"P6t ({arch})")
+    if len(counts["plain"] | counts["observed"]) != 1:
+        raise RuntimeError(f"P6t: the number of failed tests differs between runs: {counts}")
     return samples
 
 
@@ -206,8 +269,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--reps", type=int, default=None, help="rounds of the three sides")
     parser.add_argument("--json", action="store_true", help="also print a machine-readable result line")
+    parser.add_argument("--transformers", type=Path, metavar="TREE",
+                        help="P6t only: transformers' model tests in TREE (see validation/README.md)")
+    parser.add_argument("--arch", nargs="+", default=["llama"], help="P6t: the architectures (tests/models/<arch>)")
+    parser.add_argument("--python", default=PYTHON, help="P6t: the interpreter of the environment the tree runs in")
     args = parser.parse_args(argv)
     reps = args.reps or (3 if args.quick else 6)
+    if args.transformers:
+        return transformers_main(args, reps)
     log(f"P6: {reps} rounds of a {N_TESTS}-test tiny-Llama suite, two fixture scopes")
     session, built = measure_suite(reps, "session"), measure_suite(reps, "function")
     micro = per_call_overhead()
@@ -222,6 +291,71 @@ def main(argv: list[str] | None = None) -> dict:
               "built_ratio": paired_ratio(built["observed"], built["plain"], "wall"),
               "session": {k: v.to_json() for k, v in session.items()},
               "built": {k: v.to_json() for k, v in built.items()}, **micro, "lines": lines}
+    emit(result, args.json)
+    return result
+
+
+# The plugin's functions through which a model's own call passes: their edges to code outside
+# the plugin are the models' calls (``nn.Module.__call__``, the observed method)
+_PASSING = {("autoobserve.py", "__call__"), ("interception.py", "call"), ("interception.py", "__call__")}
+
+
+def _ours(function: tuple[str, int, str]) -> bool:
+    return f"{os.sep}pytest_exportobs{os.sep}" in function[0]
+
+
+def _builtin(function: tuple[str, int, str]) -> bool:
+    return function[0] == "~"
+
+
+def plugin_seconds(stats: pstats.Stats) -> float:
+    """Seconds of a profiled test phase spent in the plugin: the inclusive time of its functions
+    called from Python code outside it (the replaced ``__call__`` and method, its plain hooks),
+    less the models' own calls made from the functions they pass through.  Calls through a
+    builtin (``next`` of a context manager, a hook wrapper resumed by pluggy) are left out, so
+    that a generator the plugin enters itself is not counted twice; cProfile slows pure Python
+    (the plugin) more than torch's kernels (the models): an upper bound."""
+    table: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]  # pstats' documented table
+    total = 0.0
+    for function, (_, _, _, _, callers) in table.items():
+        if _ours(function):
+            total += sum(edge[3] for caller, edge in callers.items() if not _ours(caller) and not _builtin(caller))
+        elif not _builtin(function):  # a builtin called by the plugin is the plugin's own work
+            total -= sum(edge[3] for caller, edge in callers.items()
+                         if _ours(caller) and (Path(caller[0]).name, caller[2]) in _PASSING)
+    return total
+
+
+def profiled_share(python: str, tests: Path, arch: str) -> tuple[float, float]:
+    """One observed session of ``arch`` under cProfile: the plugin's seconds and the test phase's."""
+    with tempfile.TemporaryDirectory(prefix="exportobs-p6p-") as tmp:
+        timer = Path(tmp)
+        (timer / "p6_timer.py").write_text(TIMER)
+        module = f"tests/models/{arch}/test_modeling_{arch}.py"
+        data = run_timed(python, tests, [module, *SIDES["observed"]], timer, HF_HUB_OFFLINE="1",
+                         P6_PROFILE=str(timer / "loop.prof"))
+        return plugin_seconds(pstats.Stats(str(timer / "loop.prof"))), data["wall"]
+
+
+def transformers_main(args: argparse.Namespace, reps: int) -> dict:
+    lines = []
+    ratios, shares = {}, {}
+    for arch in args.arch:
+        samples = measure_transformers(args.python, args.transformers, arch, reps)
+        observed, plain = samples["observed"], samples["plain"]
+        ratios[arch] = ratio = paired_ratio(observed, plain, "wall")
+        low, high = paired_ratio_iqr(observed, plain, "wall")
+        lines.append(
+            f"P6t {arch}: transformers' model tests, test phase, --export-observe transformers.PreTrainedModel vs "
+            f"-p no:exportobs: wall ratio={ratio:.3f}  {verdict(ratio, TARGET)}\n"
+            f"    per-round wall ratios within [{low:.3f}, {high:.3f}]; "
+            f"cpu ratio={paired_ratio(observed, plain, 'cpu'):.3f}; "
+            f"wall median {observed.median('wall'):.1f}s vs {plain.median('wall'):.1f}s; {len(plain.values)} rounds")
+        own, wall = profiled_share(args.python, args.transformers, arch)
+        shares[arch] = own / wall
+        lines.append(f"    under cProfile, the plugin's own code: {own:.2f}s of the {wall:.1f}s test phase "
+                     f"({100 * own / wall:.1f}%)")
+    result = {"id": "P6t", "ratios": ratios, "shares": shares, "target": TARGET, "lines": lines}
     emit(result, args.json)
     return result
 
