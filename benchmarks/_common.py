@@ -29,10 +29,11 @@ RESULT_PREFIX = "BENCH-RESULT "
 
 @dataclass
 class Timing:
-    """One measurement: wall and CPU seconds."""
+    """One measurement: wall and CPU seconds (and those in the garbage collector, when measured)."""
 
     wall: float
     cpu: float
+    gc: float = 0.0
 
 
 @dataclass

@@ -39,7 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pstats
+import statistics
 import sys
 import tempfile
 import time
@@ -83,10 +83,17 @@ def llama():
 
 # A plugin (``-p p6_timer``) timing the test phase and counting the tests that observed a model.
 TIMER = '''\
-import json, os, time
+import gc, json, os, time
 import pytest
 
 observed = []
+collecting = {"since": 0.0, "seconds": 0.0}
+
+def _collection(phase, info):
+    if phase == "start":
+        collecting["since"] = time.perf_counter()
+    else:
+        collecting["seconds"] += time.perf_counter() - collecting["since"]
 
 def pytest_runtest_logreport(report):
     if report.when == "call":
@@ -94,20 +101,13 @@ def pytest_runtest_logreport(report):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtestloop(session):
-    profile = None
-    if os.environ.get("P6_PROFILE"):
-        import cProfile
-        profile = cProfile.Profile()
-        profile.enable()
+    gc.callbacks.append(_collection)
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         return (yield)
     finally:
         timing = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu, "observed": len(observed),
-                  "failed": session.testsfailed}
-        if profile is not None:
-            profile.disable()
-            profile.dump_stats(os.environ["P6_PROFILE"])
+                  "failed": session.testsfailed, "gc": collecting["seconds"]}
         with open(os.environ["P6_TIMING"], "w") as f:
             json.dump(timing, f)
         os._exit(0)  # the test phase is measured: the export check would come next
@@ -204,7 +204,7 @@ def measure_transformers(python: str, tests: Path, arch: str, reps: int) -> dict
                 if (data["observed"] > 0) != (name == "observed"):
                     raise RuntimeError(f"{name}: {data['observed']} tests observed a model")
                 counts[name].add(data["failed"])
-                return Timing(data["wall"], data["cpu"])
+                return Timing(data["wall"], data["cpu"], data["gc"])
             return run
 
         samples = rounds({name: side(name) for name in ("plain", "observed")}, reps, f"P6t ({arch})")
@@ -295,51 +295,9 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-# The plugin's functions through which a model's own call passes: their edges to code outside
-# the plugin are the models' calls (``nn.Module.__call__``, the observed method)
-_PASSING = {("autoobserve.py", "__call__"), ("interception.py", "call"), ("interception.py", "__call__")}
-
-
-def _ours(function: tuple[str, int, str]) -> bool:
-    return f"{os.sep}pytest_exportobs{os.sep}" in function[0]
-
-
-def _builtin(function: tuple[str, int, str]) -> bool:
-    return function[0] == "~"
-
-
-def plugin_seconds(stats: pstats.Stats) -> float:
-    """Seconds of a profiled test phase spent in the plugin: the inclusive time of its functions
-    called from Python code outside it (the replaced ``__call__`` and method, its plain hooks),
-    less the models' own calls made from the functions they pass through.  Calls through a
-    builtin (``next`` of a context manager, a hook wrapper resumed by pluggy) are left out, so
-    that a generator the plugin enters itself is not counted twice; cProfile slows pure Python
-    (the plugin) more than torch's kernels (the models): an upper bound."""
-    table: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]  # pstats' documented table
-    total = 0.0
-    for function, (_, _, _, _, callers) in table.items():
-        if _ours(function):
-            total += sum(edge[3] for caller, edge in callers.items() if not _ours(caller) and not _builtin(caller))
-        elif not _builtin(function):  # a builtin called by the plugin is the plugin's own work
-            total -= sum(edge[3] for caller, edge in callers.items()
-                         if _ours(caller) and (Path(caller[0]).name, caller[2]) in _PASSING)
-    return total
-
-
-def profiled_share(python: str, tests: Path, arch: str) -> tuple[float, float]:
-    """One observed session of ``arch`` under cProfile: the plugin's seconds and the test phase's."""
-    with tempfile.TemporaryDirectory(prefix="exportobs-p6p-") as tmp:
-        timer = Path(tmp)
-        (timer / "p6_timer.py").write_text(TIMER)
-        module = f"tests/models/{arch}/test_modeling_{arch}.py"
-        data = run_timed(python, tests, [module, *SIDES["observed"]], timer, HF_HUB_OFFLINE="1",
-                         P6_PROFILE=str(timer / "loop.prof"))
-        return plugin_seconds(pstats.Stats(str(timer / "loop.prof"))), data["wall"]
-
-
 def transformers_main(args: argparse.Namespace, reps: int) -> dict:
     lines = []
-    ratios, shares = {}, {}
+    ratios = {}
     for arch in args.arch:
         samples = measure_transformers(args.python, args.transformers, arch, reps)
         observed, plain = samples["observed"], samples["plain"]
@@ -351,11 +309,10 @@ def transformers_main(args: argparse.Namespace, reps: int) -> dict:
             f"    per-round wall ratios within [{low:.3f}, {high:.3f}]; "
             f"cpu ratio={paired_ratio(observed, plain, 'cpu'):.3f}; "
             f"wall median {observed.median('wall'):.1f}s vs {plain.median('wall'):.1f}s; {len(plain.values)} rounds")
-        own, wall = profiled_share(args.python, args.transformers, arch)
-        shares[arch] = own / wall
-        lines.append(f"    under cProfile, the plugin's own code: {own:.2f}s of the {wall:.1f}s test phase "
-                     f"({100 * own / wall:.1f}%)")
-    result = {"id": "P6t", "ratios": ratios, "shares": shares, "target": TARGET, "lines": lines}
+        gc_seconds = {side: statistics.median(t.gc for t in samples[side].values) for side in samples}
+        lines.append(f"    in the garbage collector: {gc_seconds['observed']:.2f}s vs {gc_seconds['plain']:.2f}s "
+                     f"(median of the rounds)")
+    result = {"id": "P6t", "ratios": ratios, "target": TARGET, "lines": lines}
     emit(result, args.json)
     return result
 
