@@ -203,9 +203,10 @@ def record_frozen_objects():
 
 @pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["serial", "xdist"])
 def test_every_process_of_a_checking_session_exits_with_its_heap_frozen(
-    suite: pytest.Pytester, xdist: list[str]
+    suite: pytest.Pytester, xdist: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The interpreter's collections at exit then skip the objects torch and the exports left."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # this suite's own worker, if any: not the session's
     suite.makeconftest(CONFTEST + EXIT_RECORDER)
     frozen = suite.path / "frozen.txt"
     suite.runpytest_subprocess("-p", "no:cacheprovider", *xdist).assert_outcomes(passed=11)  # check off
