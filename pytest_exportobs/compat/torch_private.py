@@ -26,8 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = [
     "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node", "import_export_machinery",
-    "onnx_registry",
-    "prepare_for_onnx", "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "to_onnx_program",
+    "onnx_registry", "prepare_for_onnx", "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "to_onnx_program",
 ]
 
 # torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
