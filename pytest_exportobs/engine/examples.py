@@ -29,8 +29,7 @@ def example_to_trace(call: Any, shapes: ShapeModel, constants: bool, notes: list
     call (traced size-oblivious, a dynamic size of 0 or 1 stays dynamic)."""
     index = shapes.safe_call()
     if index is not None:
-        leaves = shapes.call_leaves(index)
-        return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
+        return Example.of(shapes, shapes.call_leaves(index), constants)
     index = shapes.aligned.complete_call()
     ones = {v.name: 2 for v in shapes.variables if v.role == AxisRole.BATCH and v.values[index] == 1}
     candidates: list[tuple[str, Callable[[], list[Any] | None]]] = [
@@ -49,9 +48,8 @@ def example_to_trace(call: Any, shapes: ShapeModel, constants: bool, notes: list
             notes.append(f"{what} rejected by eager as an example ({type(e).__name__})")
             continue
         notes.append(f"no recorded call has every dynamic size >= 2: exported on {what}")
-        return Example(candidate, *shapes.aligned.split_arguments(candidate, constants=constants))
-    leaves = shapes.call_leaves(index)
-    return Example(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
+        return Example.of(shapes, candidate, constants)
+    return Example.of(shapes, shapes.call_leaves(index), constants)
 
 
 def other_examples(

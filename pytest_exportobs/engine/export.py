@@ -178,7 +178,7 @@ def _trace(
         if not pinned.retrace:
             raise
         for what, leaves in other_examples(shapes, outcome.example, pinned.name, probe):
-            example = Example(leaves, *shapes.aligned.split_arguments(leaves, constants=not outcome.bound))
+            example = Example.of(shapes, leaves, constants=not outcome.bound)
             try:
                 found = trace(module, shapes, example, not outcome.bound, outcome.notes, probe)
             except Specialized as again:

@@ -51,17 +51,21 @@ def user_frame(error: BaseException) -> str:
             frames = frames + traceback.extract_tb(cause.__traceback__)
     user = [f for f in frames if is_user_file(f.filename)]
     if user:
-        return _location(user[-1].filename, user[-1].lineno or 0, user[-1].line or "")
+        return _frame_location(user[-1])
     quoted = [(path, line) for path, line in quoted_frames(str(error)) if is_user_file(path)]
     if quoted:
         return _location(*quoted[-1], "")
     installed = [f for f in frames if _is_model_file(f.filename)]  # a transformers model's own line
-    return _location(installed[-1].filename, installed[-1].lineno or 0, installed[-1].line or "") if installed else ""
+    return _frame_location(installed[-1]) if installed else ""
 
 
 def _is_model_file(filename: str) -> bool:
     """Whether ``filename`` may hold a model's code: neither torch, logging nor this package."""
     return not filename.startswith(_NOT_USER_DIRS) and "/torch/" not in filename
+
+
+def _frame_location(frame: traceback.FrameSummary) -> str:
+    return _location(frame.filename, frame.lineno or 0, frame.line or "")
 
 
 def _location(filename: str, lineno: int, line: str) -> str:

@@ -55,6 +55,12 @@ class Example:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
+    @classmethod
+    def of(cls, shapes: ShapeModel, leaves: list[Any], constants: bool) -> Example:
+        """The example of a call's flat ``leaves``; ``constants``: the exported module takes the
+        call's constants as arguments (``False``: they are bound in it)."""
+        return cls(leaves, *shapes.aligned.split_arguments(leaves, constants=constants))
+
     @property
     def inputs(self) -> list[int]:
         return [leaf for leaf, value in enumerate(self.leaves) if isinstance(value, torch.Tensor)]
