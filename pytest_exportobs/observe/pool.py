@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,10 +29,15 @@ FOREIGN_INSTANCE = 0  # the instance of a call recorded in another process: neve
 
 @dataclass
 class SavedCalls:
-    """Calls a process observed of one model (inputs and eager outputs), and its tests."""
+    """Calls a process observed of one model (inputs and eager outputs), and its tests; with the
+    process's :func:`tally`, also how many calls it stored nothing for (``dropped``) and could
+    not record (``failed``, for ``errors``)."""
 
     observations: list[Observation]
     sources: list[str]
+    dropped: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -66,21 +72,36 @@ def save_calls(observations: list[Observation], sources: list[str], path: Path) 
     torch.save(SavedCalls(observations, sources), path)
 
 
-def load_calls(paths: Iterable[Path]) -> SavedCalls:
-    """The calls saved in ``paths``, in order (their inputs hold cache objects: a full unpickling)."""
+def tally(recorder: CallRecorder) -> dict[str, Any]:
+    """What a process's saved calls of a model miss once its tests are over (plain JSON): how many
+    calls each stored observation stands for by then, the calls it stored nothing for, and those
+    it could not record."""
+    return {"calls": [observation.calls for observation in recorder.observations],
+            "dropped": recorder.counts.dropped, "failed": recorder.counts.failed, "errors": recorder.errors}
+
+
+def load_calls(paths: Iterable[Path], tallied: dict[str, Any] | None = None) -> SavedCalls:
+    """The calls saved in ``paths``, in order (their inputs hold cache objects: a full unpickling),
+    brought up to date by the process's :func:`tally` when it wrote one (a crashed process did
+    not: its counts stop at its last save)."""
     calls = SavedCalls([], [])
     for path in paths:
         saved: SavedCalls = torch.load(path, weights_only=False)
         calls.observations += saved.observations
         calls.sources += [source for source in saved.sources if source not in calls.sources]
+    if tallied is not None:
+        for observation, count in zip(calls.observations, tallied["calls"]):
+            observation.calls = count
+        calls.dropped, calls.failed, calls.errors = tallied["dropped"], tallied["failed"], tallied["errors"]
     return calls
 
 
 def absorb(group: ModelGroup, others: Iterable[SavedCalls], position: Callable[[str], int]) -> None:
     """Store the calls of ``group`` and those other processes saw of its model as one process
     running the tests in collection order (``position`` of a test's node id) would have: test by
-    test, each a block of ``store_n_calls`` under the session bound.  Calls of other processes
-    are no reference (their outputs came from another instance)."""
+    test, each a block of ``store_n_calls`` under the session bound; every call any of them saw is
+    counted.  Calls of other processes are no reference (their outputs came from another
+    instance)."""
     others = list(others)
     for saved in others:
         for observation in saved.observations:
@@ -93,7 +114,10 @@ def absorb(group: ModelGroup, others: Iterable[SavedCalls], position: Callable[[
         limit = recorder.num_obs() + min(group.options.store_n_calls, room)
         for observation in block:
             recorder.admit(observation, limit)
-    recorder.errors, recorder.counts.failed = group.recorder.errors, group.recorder.counts.failed
+    own = group.recorder
+    recorder.counts.dropped += own.counts.dropped + sum(saved.dropped for saved in others)
+    recorder.counts.failed = own.counts.failed + sum(saved.failed for saved in others)
+    recorder.errors = list(dict.fromkeys([*own.errors, *(error for saved in others for error in saved.errors)]))
     group.recorder = recorder
     sources = {*group.sources, *(source for saved in others for source in saved.sources)}
     group.sources = sorted(sources, key=position)

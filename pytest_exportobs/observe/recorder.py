@@ -262,7 +262,8 @@ class CallRecorder:
     def admit(self, observation: Observation, limit: int) -> None:
         """Add a call recorded before (here or in another process) as a block whose ``limit``
         is the number of calls it may reach would store it: a new signature below the limit, or
-        one adding information within the capacity; a known signature counts its calls."""
+        one adding information within the capacity.  Every call it stands for is counted (a
+        known signature's calls add to that observation's)."""
         with flattening_context():
             key = call_signature(observation.args, observation.kwargs)
         known = self._by_key.get(key)
@@ -272,6 +273,7 @@ class CallRecorder:
         elif len(self.observations) < limit or (
                 len(self.observations) < self.capacity and self._adds_information(key)):
             self._store(key, observation)
+            self.counts.duplicates += observation.calls - 1
         else:
             self.counts.dropped += observation.calls
 

@@ -97,10 +97,14 @@ class Pool:
                 self._saved[key] += len(calls)
 
     def offer(self, store: Any) -> None:
-        """Save what is left of ``store`` (``None``: nothing observed), then the manifest."""
+        """Save what is left of ``store`` (``None``: nothing observed), then the manifest: per
+        model its observation count and :func:`~..observe.pool.tally`."""
+        from ..observe.pool import tally
+
         if store is not None:
             self.save(store)
-        models = [{"base": base, "identity": ident, "observations": store.groups[name].recorder.num_obs()}
+        models = [{"base": base, "identity": ident, "observations": store.groups[name].recorder.num_obs(),
+                   "tally": tally(store.groups[name].recorder)}
                   for name, (base, ident) in sorted(({} if store is None else store.keys()).items())]
         write_atomic(_manifest(self.directory, self.worker), json_text({"models": models}))
 
@@ -143,7 +147,7 @@ class Pool:
                     continue  # the module could not be saved: the controller reports the model lost
                 group = rebuilt(records[0])
                 group.name = names[key]
-            absorb(group, [load_calls(sorted(self._folder(w, key).glob("calls-*.pt")))
+            absorb(group, [load_calls(sorted(self._folder(w, key).glob("calls-*.pt")), self._tally(w, key))
                            for w in holders if w != self.worker], position)
             yield group
 
@@ -166,19 +170,38 @@ class Pool:
         return renames
 
     @functools.cached_property
+    def _manifests(self) -> dict[str, dict[Key, dict[str, Any]]]:
+        """Per worker that saved models and wrote a manifest, its models' entries.  Read once,
+        after :meth:`wait`."""
+        manifests = {}
+        for worker in self._savers:
+            if (path := _manifest(self.directory, worker)).exists():
+                models = json.loads(path.read_text(encoding="utf-8"))["models"]
+                manifests[worker] = {(m["base"], m["identity"]): m for m in models}
+        return manifests
+
+    @functools.cached_property
     def _held(self) -> dict[str, dict[Key, int]]:
         """Per worker, the models it saved: their observation count from its manifest, else
-        (a crashed worker) the order it first saw them in.  Read once, after :meth:`wait`."""
+        (a crashed worker) the order it first saw them in."""
         held: dict[str, dict[Key, int]] = {}
-        for folder in sorted(path for path in self.directory.iterdir() if path.is_dir()):
-            manifest = _manifest(self.directory, folder.name)
-            if manifest.exists():
-                models = json.loads(manifest.read_text(encoding="utf-8"))["models"]
-                held[folder.name] = {(m["base"], m["identity"]): m["observations"] for m in models}
+        for worker in self._savers:
+            if worker in self._manifests:
+                held[worker] = {key: m["observations"] for key, m in self._manifests[worker].items()}
             else:
-                keys = [json.loads(path.read_text(encoding="utf-8")) for path in folder.glob("*/key.json")]
-                held[folder.name] = {(k["base"], k["identity"]): k["order"] for k in keys}
+                keys = [json.loads(path.read_text(encoding="utf-8"))
+                        for path in (self.directory / worker).glob("*/key.json")]
+                held[worker] = {(k["base"], k["identity"]): k["order"] for k in keys}
         return held
+
+    @functools.cached_property
+    def _savers(self) -> list[str]:
+        """The workers that saved models, in order of their names."""
+        return sorted(path.name for path in self.directory.iterdir() if path.is_dir())
+
+    def _tally(self, worker: str, key: Key) -> dict[str, Any] | None:
+        """The tally of a model in ``worker``'s manifest (``None``: it crashed before writing one)."""
+        return self._manifests.get(worker, {}).get(key, {}).get("tally")
 
     @functools.cached_property
     def _names(self) -> dict[Key, str]:

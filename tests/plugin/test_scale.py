@@ -266,6 +266,7 @@ def make_test(fixture, batch, seq):
         model = request.getfixturevalue(fixture)
         ids = torch.randint(0, 50, (batch, seq))
         mask = torch.ones(batch, seq)
+        model(ids, attention_mask=mask)
         assert model(ids, attention_mask=mask).shape == (batch, seq, 3)
         record(request.node.name)
     return test
@@ -290,8 +291,8 @@ def test_auto_observed_tests_spread_over_the_workers_and_each_model_is_checked_o
         f"exportobs::{name}": "passed" for name in serial}
     assert len(serial) == 2 and all(name.startswith("Tagger[Tagger-") for name in serial)
     assert verdicts_and_dims(models) == verdicts_and_dims(serial)
-    for model in models.values():  # every worker's calls reached the check: both dims vary
-        assert model["n_observations"] == 6
+    for model in [*serial.values(), *models.values()]:  # every worker's calls reached the check: both dims vary
+        assert (model["n_observations"], model["n_calls"]) == (6, 12)  # each test calls twice alike
         assert model["graphs"][0]["dims"]["input_ids"] == {"0": "batch", "1": "seq"}, model
     ran_on = workers(pytester)
     for width in ("narrow", "wide"):
@@ -313,7 +314,7 @@ def test_a_worker_killed_by_an_unrelated_test_loses_no_observation(pytester: pyt
     assert {k for k, v in cases.items() if v != "passed"} == {"test_tagger::test_kills_its_worker"}
     models = {m["name"]: m for m in json.loads((pytester.path / "report.json").read_text())["models"]}
     assert verdicts_and_dims(models) == verdicts_and_dims(serial)
-    assert {n: m["n_observations"] for n, m in models.items()} == {n: 6 for n in serial}
+    assert {n: (m["n_observations"], m["n_calls"]) for n, m in models.items()} == {n: (6, 12) for n in serial}
     ran_on = workers(pytester)
     crashed = ran_on["test_kills_its_worker"]
     assert any(ran_on[t] == crashed for t in ran_on if t.startswith("test_narrow")), ran_on  # it had observed

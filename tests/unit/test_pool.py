@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils import _pytree
 
 from pytest_exportobs.core.caches import make_dynamic_cache
 from pytest_exportobs.core.pytrees import register_flattening_functions
@@ -87,9 +89,55 @@ def test_absorbed_calls_keep_the_session_bound_and_caches_round_trip(tmp_path: P
     # only the batch equal to the features (a new pattern of equal sizes)
     assert shapes == [(b, 4) for b in range(100, 100 + MAX_ORDINARY)] + [(2, 7, 4), (4, 4)]
     assert [o.instance == FOREIGN_INSTANCE for o in group.recorder.observations] == [True] * 25 + [False]
-    kept = (MAX_ORDINARY + 1) + MAX_ORDINARY  # what each worker's own bound let it keep
-    assert (group.recorder.counts.stored, group.recorder.counts.dropped) == (26, kept - 26)
+    every_call = 2 * MAX_OBSERVATIONS + 1  # those each worker's bound kept and those it stored nothing for
+    assert (group.recorder.counts.stored, group.recorder.counts.dropped) == (26, every_call - 26)
     assert group.module is model0 and group.sources[0] == "test_early[100]" and group.sources[-1] == "test_late[33]"
+
+
+class Opaque:
+    """An argument whose flattening fails: the call runs, but cannot be recorded."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+def _refuse_to_flatten(obj: Opaque) -> Any:
+    raise TypeError("cannot flatten Opaque")
+
+
+class ScaledLinear(torch.nn.Linear):
+    def forward(self, x: torch.Tensor, opaque: Opaque | None = None) -> torch.Tensor:
+        return super().forward(x) * (1.0 if opaque is None else opaque.scale)
+
+
+def test_the_claiming_worker_counts_every_call_each_worker_saw_and_why_some_were_not_recorded(
+    tmp_path: Path,
+) -> None:
+    gw0, gw1 = worker(tmp_path, "gw0"), worker(tmp_path, "gw1")
+    store0, store1 = SessionStore(), SessionStore()
+    model0, model1 = ScaledLinear(4, 2), ScaledLinear(4, 2)
+    observe(store0, model0, 2, test="test_a")
+    gw0.save(store0)  # as after each test: the later calls of batch 2 are in no saved file
+    observe(store0, model0, 2, 2, test="test_b")
+    observe(store1, model1, *range(3, 3 + MAX_OBSERVATIONS + 5), test="test_c")  # more than its bound keeps
+    _pytree.register_pytree_node(Opaque, _refuse_to_flatten, lambda leaves, context: Opaque(*leaves))
+    try:
+        with store1.observe(model1, "ScaledLinear", ObserveOptions(), "test_d"):
+            assert model1(torch.ones(1, 4), Opaque(0.0)).abs().sum() == 0  # the call runs unrecorded
+    finally:
+        _pytree._deregister_pytree_node(Opaque)
+    gw0.offer(store0)
+    gw1.offer(store1)
+    gw0.wait()
+    order = collection_order("test_a[2]", "test_b[2]", *(f"test_c[{b}]" for b in range(3, 3 + MAX_OBSERVATIONS + 5)),
+                             "test_d")
+    (group,) = gw0.claims(store0, order)
+
+    counts = group.recorder.counts
+    assert sum(vars(counts).values()) == 3 + (MAX_OBSERVATIONS + 5) + 1  # gw0's three calls, gw1's
+    assert (counts.stored, counts.duplicates, counts.failed) == (MAX_ORDINARY, 2, 1)
+    assert group.recorder.observations[0].calls == 3  # batch 2: once before gw0's save, twice after
+    assert group.recorder.errors == ["TypeError: cannot flatten Opaque"]
 
 
 class CacheReader(torch.nn.Module):
