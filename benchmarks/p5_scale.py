@@ -14,6 +14,10 @@ directory (no cache), in a child process, wall time measured (the point is to us
 * limit: what two checks side by side can reach on this machine, measured in the same run: two
   processes that each import torch and transformers and export a tiny Llama to ONNX twice, run
   side by side against one after the other.
+* the checks' part: the same suite without ``--export-check``, serially and with ``-n 2``: what the
+  sessions cost without any check (imports, xdist's start and end, the tests).  Each side's
+  median minus its unchecked session is the time the checks add; their ratio is what the
+  plugin's parallel paths reach, to set beside the limit.
 
 Sides alternate (A B, B A, ...); ratio = median of the per-pair wall-time ratios.  The verdicts of
 every run must be the same (the report's verdict per model), or the benchmark fails.
@@ -88,18 +92,23 @@ for _ in range(2):
     torch.onnx.export(Logits(), (ids, torch.ones_like(ids)), dynamic_shapes=(dims, dims), dynamo=True, verbose=False)
 """
 
+CHECK = ["--export-check", "--export-examples=0", "--export-report=report.json"]
 SIDES = {
-    "serial": [], "-n 2": ["-n", "2"],
-    "jobs 1": ["--export-jobs=1"], "jobs 2": ["--export-jobs=2"],
+    "serial": CHECK, "-n 2": [*CHECK, "-n", "2"],
+    "jobs 1": [*CHECK, "--export-jobs=1"], "jobs 2": [*CHECK, "--export-jobs=2"],
+    "unchecked serial": [], "unchecked -n 2": ["-n", "2"],
 }
 
 
 def run_suite(directory: Path, args: list[str]) -> tuple[float, dict[str, str]]:
-    """One session on a fresh export directory: its wall time and the verdict per model."""
+    """One session on a fresh export directory: its wall time and, when it checked, the verdict
+    per model."""
     shutil.rmtree(directory / ".exportobs", ignore_errors=True)
-    cmd = [PYTHON, "-m", "pytest", "-q", "--export-check", "--export-examples=0", "-p", "no:cacheprovider",
-           "--export-report=report.json", *args]
-    timing, _ = run_child(cmd, cwd=str(directory), env=child_env())
+    (directory / "report.json").unlink(missing_ok=True)
+    timing, _ = run_child([PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=str(directory), env=child_env())
+    if "--export-check" not in args:
+        return timing.wall, {}
     report = json.loads((directory / "report.json").read_text())
     return timing.wall, {m["name"]: m["verdict"] for m in report["models"]}
 
@@ -145,10 +154,25 @@ def measure(
     for rep, a_first in interleaved(reps):
         walls = {}
         for side in (a, b) if a_first else (b, a):
-            walls[side], verdicts[f"{side} #{rep}"] = run_suite(directory, SIDES[side])
+            walls[side], checked = run_suite(directory, SIDES[side])
+            if checked:
+                verdicts[f"{side} #{rep}"] = checked
             log(f"P5 {side} #{rep}: {walls[side]:.1f}s")
         pairs.append((walls[b], walls[a]))
     return pairs
+
+
+def checks_part(checked: dict[str, list[tuple[float, float]]], unchecked: list[tuple[float, float]]) -> list[str]:
+    """What the sessions cost without checks, and the ratio of what the checks add on each side."""
+    plain_parallel, plain_serial = (statistics.median(walls) for walls in zip(*unchecked))
+    lines = [f"P5 without --export-check: serial {plain_serial:.1f}s, -n 2 {plain_parallel:.1f}s "
+             f"(xdist's start and end on this suite: {plain_parallel - plain_serial:+.1f}s)"]
+    for name, pairs in checked.items():
+        new, old = (statistics.median(walls) for walls in zip(*pairs))
+        plain = plain_parallel if name == "xdist" else plain_serial
+        lines.append(f"P5 {name:5s} the checks' part (median minus the unchecked session): "
+                     f"{old - plain_serial:.1f}s → {new - plain:.1f}s = {(new - plain) / (old - plain_serial):.2f}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,12 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         limit, twin_walls = twin_limit(reps)
         lines = [f"P5 limit twins side by side / one after the other = {limit:.2f}  ({twin_walls})"]
         margins = {"xdist": 0.12, "jobs": 0.08}
+        checked = {}
         for name, (a, b) in {"xdist": ("serial", "-n 2"), "jobs": ("jobs 1", "jobs 2")}.items():
-            pairs = measure(directory, a, b, reps, verdicts)
+            pairs = checked[name] = measure(directory, a, b, reps, verdicts)
             ratio = statistics.median(new / old for new, old in pairs)
             walls = ", ".join(f"{old:.1f}s → {new:.1f}s" for new, old in pairs)
             lines.append(f"P5 {name:5s} {b} / {a} = {ratio:.2f}  ({walls})  {verdict(ratio, TARGET)}; "
                          f"limit + {margins[name]:.2f}: {verdict(ratio, round(limit + margins[name], 2))}")
+        lines += checks_part(checked, measure(directory, "unchecked serial", "unchecked -n 2", reps, verdicts))
         distinct = {json.dumps(v, sort_keys=True) for v in verdicts.values()}
         if len(distinct) != 1:
             raise SystemExit(f"P5: the verdicts differ between runs: {verdicts}")
