@@ -6,6 +6,9 @@ observed bounds (derived variables follow their relation, equal dimensions are o
 the eager model itself raises on it, *failed* when the exported model raises or disagrees with
 eager beyond the verify stage's tolerances.  Labels lined up with a padding mask ignore its padded
 positions, unless eager rejects the ignore index (then the example runs with the plain labels).
+When eager rejects the synthesized inputs of an example that sizes batches only, the example
+runs with a recorded call's rows repeated to those sizes (synthesized token ids lack what ties
+them to other inputs, as a multimodal model's image tokens to its pixel values).
 Hypothesis shrinks a failure to its smallest sizes.  When none of its examples fails, the largest
 one (every free size at its high) runs too: a graph that serves only the sizes it was traced at
 fails there whatever hypothesis drew.
@@ -43,6 +46,7 @@ from ..shapes.synthesis import (
     ignore_padded_labels,
     leaf_shapes,
     recipes,
+    rows_repeated,
 )
 from .eager import ModelRaised
 from .verify import Discrepancy, OutputLayout, Tolerance, run_and_compare
@@ -177,7 +181,7 @@ class _Trials:
     outputs: OutputLayout | None = None
     examples: list[Sizes] = field(default_factory=list)
     verdicts: list[Discrepancy | None] = field(default_factory=list)  # None: invalid
-    plain_labels: list[Sizes] = field(default_factory=list)  # examples eager ran without ignored labels
+    ran: list[int] = field(default_factory=list)  # per example, which of its candidates eager took
 
     def fails(self, free: Sizes) -> bool:
         """hypothesis' condition: ``True`` when the exported model is wrong on this example."""
@@ -195,38 +199,39 @@ class _Trials:
         """The example's comparison, run once (``None``: eager rejects it)."""
         free = {name: free[name] for name in free_variables(self.shapes)}
         if free not in self.examples:
-            verdict = self._verdict(free)  # an engine error leaves no half-recorded example
+            verdict, ran = self._verdict(free)  # an engine error leaves no half-recorded example
             self.examples.append(free)
             self.verdicts.append(verdict)
+            self.ran.append(ran)
         return self.verdicts[self.examples.index(free)]
 
     def leaves(self, free: Sizes) -> Leaves:
-        """The inputs of an example as it ran: a function of its sizes only (and of whether
-        eager took labels ignoring padded positions)."""
-        plain, ignoring = self._candidates(free)
-        return plain if ignoring is None or free in self.plain_labels else ignoring
+        """The inputs of a valid example as it ran: a function of its sizes only (and of which
+        candidate eager took)."""
+        return self._candidates(free)[self.ran[self.examples.index(free)]]
 
-    def _candidates(self, free: Sizes) -> tuple[Leaves, Leaves | None]:
+    def _candidates(self, free: Sizes) -> list[Leaves]:
+        """An example's inputs to try in turn: synthesized with labels ignoring padded positions,
+        synthesized, a recorded call's rows repeated (when the example sizes batches only)."""
         sizes = complete_sizes(self.shapes, free)
         generator = torch.Generator().manual_seed(zlib.crc32(json.dumps(sizes, sort_keys=True).encode()))
         plain = build_leaves(self.shapes, sizes, generator, self.leaf_recipes)
-        return plain, ignore_padded_labels(self.shapes, plain, self.leaf_recipes)
+        candidates = (ignore_padded_labels(self.shapes, plain, self.leaf_recipes), plain,
+                      rows_repeated(self.shapes, self.shapes.aligned.complete_call(), free))
+        return [leaves for leaves in candidates if leaves is not None]
 
-    def _verdict(self, free: Sizes) -> Discrepancy | None:
+    def _verdict(self, free: Sizes) -> tuple[Discrepancy | None, int]:
+        """The comparison on the first candidate eager takes, and which one it was (``None, -1``:
+        eager rejects them all)."""
         if min(complete_sizes(self.shapes, free).values()) < 0:  # a relation with a negative constant
-            return None
-        plain, ignoring = self._candidates(free)
-        for leaves in (ignoring, plain):
-            if leaves is None:
-                continue
+            return None, -1
+        for index, leaves in enumerate(self._candidates(free)):
             try:
                 expected = self.eager(detached_clone(leaves))
-            except ModelRaised:  # eager rejects these sizes, or the ignore index: not the export's fault
+            except ModelRaised:  # eager rejects these inputs: not the export's fault
                 continue
-            if leaves is plain and ignoring is not None:
-                self.plain_labels.append(free)
-            return run_and_compare(self.run, leaves, expected, self.tolerance, outputs=self.outputs)
-        return None
+            return run_and_compare(self.run, leaves, expected, self.tolerance, outputs=self.outputs), index
+        return None, -1
 
     def outcome(self, minimal: Sizes | None) -> VariationOutcome:
         invalid = sum(v is None for v in self.verdicts)

@@ -16,7 +16,9 @@ from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.engine.eager import call_model
 from pytest_exportobs.engine.variations import Leaves, VariationOutcome, explore, size_ranges
 from pytest_exportobs.engine.verify import OnnxRunner, Tolerance
+from pytest_exportobs.core.vocabulary import AxisRole
 from pytest_exportobs.shapes.dims import Relation
+from pytest_exportobs.shapes.inference import DimPolicy
 from pytest_exportobs.shapes.synthesis import build_leaves, complete_sizes, ignore_padded_labels, recipes
 
 from models import example_arguments, tiny_llama_config
@@ -492,3 +494,56 @@ def test_multiple_choice_masks_pad_each_choice_as_a_tokenizer_does() -> None:
     assert bool((rows.sum(1) >= 1).all()) and bool((rows[:, -1] == 1).all())
     assert bool((rows.diff(dim=1) >= 0).all())  # left padding: real tokens once they start
     assert bool((rows == 0).any())
+
+
+class ImageTokenClassifier(torch.nn.Module):
+    """A multimodal classifier: each row's image features replace its image tokens in the ids,
+    which must hold exactly ``tokens`` of them per image, as transformers' multimodal models demand."""
+
+    IMAGE_TOKEN = 7
+
+    def __init__(self, tokens: int = 2) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.embed = torch.nn.Embedding(10, 4)
+        self.vision = torch.nn.Linear(6, 4)
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+        image_tokens = input_ids == self.IMAGE_TOKEN
+        features = self.vision(pixel_values).reshape(-1, 4)  # (images * tokens, 4)
+        if int(image_tokens.sum()) != features.shape[0]:
+            raise ValueError("Image features and image tokens do not match")
+        embeds = self.embed(input_ids).masked_scatter(image_tokens.unsqueeze(-1), features)
+        return embeds.mean(1)
+
+
+def test_batch_variations_of_a_multimodal_model_repeat_recorded_rows_its_image_tokens_match(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = ImageTokenClassifier()
+    calls = []
+    for batch in (2, 3):
+        ids = torch.randint(0, 7, (batch, 6))
+        ids[:, 1:3] = ImageTokenClassifier.IMAGE_TOKEN
+        calls.append((ids, torch.randn(batch, 2, 6)))
+    observer = InputObserver()
+    with observer(model), torch.no_grad():
+        for call in calls:
+            model(*call)
+    # as the plugin infers it (roles), with the prompt's length and the image's size pinned as the
+    # probe pins them for such models (Gemma3ForSequenceClassification in transformers' tests)
+    policy = DimPolicy(roles=True, static=frozenset({"input_ids:1", "pixel_values:2"}))
+    shapes = ShapeModel.from_aligned(observer.aligned(), policy=policy)
+    assert [(v.name, v.role, list(v.axes)) for v in shapes.variables] == [
+        ("batch", AxisRole.BATCH, [(0, 0), (1, 0)])]  # ids, pixels
+    seen: list[Leaves] = []
+
+    def run(leaves: Leaves) -> list[torch.Tensor]:
+        seen.append(leaves)
+        return eager_of(model)(leaves)
+
+    outcome = run_explore(shapes, eager_of(model), run, tmp_path, examples=10)
+    assert outcome.tried >= 3 and outcome.valid == outcome.tried and outcome.failed == 0
+    assert {example["batch"] for example in outcome.examples} - {2, 3}  # batch sizes no test used
+    for ids, pixels in seen:
+        assert ids.shape == (pixels.shape[0], 6)
+        assert bool(((ids == ImageTokenClassifier.IMAGE_TOKEN).sum(1) == 2).all())
