@@ -26,7 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = [
     "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node", "import_export_machinery",
-    "onnx_registry", "prepare_for_onnx", "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "to_onnx_program",
+    "onnx_registry", "prepare_for_onnx", "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "sympy_functions",
+    "to_onnx_program",
 ]
 
 # torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
@@ -54,6 +55,17 @@ def deregister_pytree_node(cls: type) -> None:
 def import_export_machinery() -> None:
     """Import what the first torch.export imports (about 2 s): forked checks inherit it."""
     importlib.import_module("torch.export._trace")
+
+
+@functools.cache
+def sympy_functions() -> dict[str, type]:
+    """torch's own sympy functions by name (``FloorDiv``, ``PythonMod``...): what the conditions
+    of an exported program's runtime asserts are made of besides sympy's."""
+    import sympy
+    from torch.utils._sympy import functions
+
+    return {name: value for name, value in vars(functions).items()
+            if isinstance(value, type) and issubclass(value, sympy.Basic) and value.__module__ == functions.__name__}
 
 
 @functools.cache

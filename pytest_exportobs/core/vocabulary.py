@@ -108,6 +108,7 @@ class RefinementKind(StrEnum):
     MERGE = "merge"  # the same as another variable
     SCALE = "scale"  # a multiple of a constant
     SPLIT = "split"  # some of its axes a length of their own (a sliding window's layers)
+    ASSERT = "assert"  # a condition on sizes the program asserts at run time (the ONNX file does not check it)
 
 
 class AxisRole(StrEnum):

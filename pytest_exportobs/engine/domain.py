@@ -8,20 +8,26 @@ model with what torch proved, and reports the dims of the file actually written.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from random import Random
 from typing import Any
 
 import sympy
 import torch
 
+from ..compat.torch_private import sympy_functions
 from ..core.vocabulary import RefinementKind
 from ..shapes.dims import Axis, Relation, Variable
 from ..shapes.model import ShapeModel
+from ..shapes.synthesis import complete_sizes, free_variables
 
 Shape = tuple[Any, ...]  # per axis: an int (static) or a sympy expression / ONNX dim name
+SAMPLES = 64  # draws of the free sizes a runtime assert must break once to be kept as a condition
 
 
 @dataclass(frozen=True)
@@ -112,8 +118,9 @@ class Refinement:
     """What the export established of variable ``name``: ``merge``, the same as variable
     ``value`` (torch proved it); ``scale``, a multiple of ``value`` (torch proved it); ``split``,
     its ``axes`` a length of their own, at most ``value`` (the model's next step holds them at
-    torch's bound: a sliding window).  JSON (the export cache): ``[kind, name, value]``, and the
-    axes of a split."""
+    torch's bound: a sliding window); ``assert``, the condition ``value`` (a JSON expression tree
+    over variables, :func:`conditions`) holds: the program asserts it at run time, the ONNX file
+    does not.  JSON (the export cache): ``[kind, name, value]``, and the axes of a split."""
 
     kind: RefinementKind
     name: str
@@ -161,7 +168,8 @@ def refinements(
 
 
 def apply_refinements(shapes: ShapeModel, found: list[Refinement]) -> tuple[ShapeModel, list[str]]:
-    """The shape model refined with :func:`refinements`, and one note per refinement."""
+    """The shape model refined with :func:`refinements`, and one note per refinement (one for
+    all conditions)."""
     notes = []
     for refinement in found:
         name = refinement.name
@@ -176,13 +184,95 @@ def apply_refinements(shapes: ShapeModel, found: list[Refinement]) -> tuple[Shap
             notes.append(f"{held} ({axes}) a length apart from {name}, {held} = min({name}, {limit}): the"
                          f" model's own next step holds those axes at {limit} where the others go past it"
                          " (a sliding window)")
-        else:
+        elif refinement.kind == RefinementKind.SCALE:
             assert isinstance(refinement.value, int)
             scale = refinement.value
             free = _scaled_name(name, scale)
             shapes = shapes.derived(name, Relation(name, (free,), scale=scale))
             notes.append(f"torch.export restricts {name} to multiples of {scale}: {name} = {scale}*{free}")
+    if asserted := conditions(found):
+        notes.append(f"torch.export asserts {'; '.join(map(str, asserted))} at run time, the ONNX file does not"
+                     " check it: variations keep within it")
     return shapes, notes
+
+
+def asserted_conditions(
+    shapes: ShapeModel, inputs: list[int], read: list[Shape], asserts: Sequence[sympy.Basic],
+) -> list[Refinement]:
+    """The program's runtime asserts on the sizes of input axes that exclude sizes the shape model
+    allows, as conditions on its variables (``Eq((height//5)*(width//5), 16)``: a vision model's
+    grid of patches).  Left out: those that hold on every one of :data:`SAMPLES` draws of the free
+    sizes from 2 to 64 (torch's ``Ne(batch, 1)``, a relation the shape model has), and those made
+    of functions :func:`conditions` cannot read back."""
+    position = {leaf: i for i, leaf in enumerate(inputs)}
+    variables: dict[sympy.Symbol, sympy.Symbol] = {}
+    for var in shapes.variables:
+        for leaf, dim in var.axes:
+            if leaf in position and isinstance(symbol := read[position[leaf]][dim], sympy.Symbol):
+                variables.setdefault(symbol, sympy.Symbol(var.name, integer=True))
+    draws = Random(0)
+    free = free_variables(shapes)
+    samples = [complete_sizes(shapes, {name: draws.randint(2, 64) for name in free}) for _ in range(SAMPLES)]
+    found = []
+    for condition in asserts:
+        if not condition.free_symbols or not condition.free_symbols <= variables.keys():
+            continue
+        condition = condition.xreplace(variables)
+        if all(satisfied([condition], sizes) for sizes in samples):
+            continue
+        if (tree := _tree(condition)) is not None:
+            found.append(Refinement(RefinementKind.ASSERT, "", json.dumps(tree)))
+    return found
+
+
+def conditions(found: Sequence[Refinement]) -> list[sympy.Basic]:
+    """The conditions of the ``assert`` refinements among ``found``."""
+    return [_condition(str(r.value)) for r in found if r.kind == RefinementKind.ASSERT]
+
+
+def satisfied(conditions: Sequence[sympy.Basic], sizes: Mapping[str, int]) -> bool:
+    """Whether ``sizes`` (per variable) meet every condition (one on a variable ``sizes`` lacks counts as met)."""
+    return all(_holds(c, sizes) for c in conditions if {str(s) for s in c.free_symbols} <= sizes.keys())
+
+
+def _holds(condition: sympy.Basic, sizes: Mapping[str, int]) -> bool:
+    return bool(condition.xreplace({s: sympy.Integer(sizes[str(s)]) for s in condition.free_symbols}))
+
+
+def _tree(expr: sympy.Basic) -> Any:
+    """``expr`` as nested JSON lists (``["Equality", ["Mul", ...], 16]``, a variable ``["Symbol",
+    name]``); ``None`` when it holds a function :func:`_condition` does not know."""
+    if isinstance(expr, sympy.Symbol):
+        return ["Symbol", expr.name]
+    if isinstance(expr, sympy.Integer):
+        return int(expr)
+    function = type(expr)
+    if _functions().get(function.__name__) is not function:
+        return None
+    args = [_tree(arg) for arg in expr.args]
+    return None if any(arg is None for arg in args) else [function.__name__, *args]
+
+
+def _condition(text: str) -> sympy.Basic:
+    """The condition a :func:`_tree` JSON text spells."""
+
+    def build(node: Any) -> Any:
+        if isinstance(node, int):
+            return sympy.Integer(node)
+        name, *args = node
+        if name == "Symbol":
+            return sympy.Symbol(args[0], integer=True)
+        return _functions()[name](*map(build, args))
+
+    return build(json.loads(text))
+
+
+@functools.cache
+def _functions() -> dict[str, type]:
+    """What a condition is made of: sympy's arithmetic, relations and logic, and torch's functions."""
+    return {**{cls.__name__: cls for cls in (
+        sympy.Add, sympy.Mul, sympy.Pow, sympy.Mod, sympy.Eq, sympy.Ne, sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge,
+        sympy.And, sympy.Or, sympy.Not)}, **sympy_functions()}
 
 
 def _window_name(name: str) -> str:

@@ -42,6 +42,7 @@ from .domain import (
     Refinement,
     Shape,
     apply_refinements,
+    asserted_conditions,
     deferred_asserts,
     onnx_shapes,
     program_shapes,
@@ -219,11 +220,14 @@ def _refine(
     ``shapes``) and what the program proves."""
     assert outcome.example is not None
     inputs = outcome.example.inputs
-    names, proved = refinements(shapes, inputs, read, deferred_asserts(outcome.program))
-    outcome.refinements = [*splits, *proved]
+    asserts = deferred_asserts(outcome.program)
+    names, proved = refinements(shapes, inputs, read, asserts)
     shapes, notes = apply_refinements(shapes, proved)
+    asserted = asserted_conditions(shapes, inputs, read, asserts)  # those the refined model does not imply
+    shapes, more = apply_refinements(shapes, asserted)
+    outcome.refinements = [*splits, *proved, *asserted]
     outcome.shapes = shapes
-    outcome.notes.extend(notes)
+    outcome.notes.extend([*notes, *more])
     for var in shapes.variables:  # every other symbol of an input axis is named after its variable
         for leaf, dim in var.axes:
             if leaf in inputs:

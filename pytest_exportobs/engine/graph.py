@@ -23,6 +23,7 @@ from ..observe.recorder import Observation
 from ..observe.store import ModelGroup
 from ..shapes.model import ShapeModel
 from .cache import ExportCache
+from .domain import conditions
 from .eager import call_model
 from .environment import writing
 from .export import ExportOutcome, export_model
@@ -97,6 +98,7 @@ class GraphCheck:
         self.runner: GraphRunner | None = None
         self.layout = OutputLayout()
         self.split: list[int] = []  # model call indices to move to a graph of their own
+        self.asserted: list[Any] = []  # conditions on sizes the program asserts, the ONNX file does not check
 
     def run(self) -> GraphResult:
         context, result = self.context, self.result
@@ -148,6 +150,7 @@ class GraphCheck:
         result.timings.update(outcome.timings)
         result.notes.extend(outcome.notes)
         self.shapes = outcome.shapes  # as the export refined it
+        self.asserted = conditions(outcome.refinements)
         summary = self.shapes.to_json()
         result.relations, result.bounds = summary["relations"], summary["bounds"]
         result.dim_sources = {v.name: v.source for v in self.shapes.variables if v.axes}
@@ -274,6 +277,7 @@ class GraphCheck:
             examples=context.examples, seed=context.settings.hypothesis_seed,
             database_dir=self.directory / "hypothesis", outputs=self.layout,
             pad_token_id=getattr(getattr(context.module, "config", None), "pad_token_id", None),
+            asserted=self.asserted,
         ))
         result.timings["variations"] = time.perf_counter() - begin
         result.variations = variation.to_json()

@@ -48,6 +48,7 @@ from ..shapes.synthesis import (
     recipes,
     rows_repeated,
 )
+from .domain import satisfied
 from .eager import ModelRaised
 from .verify import Discrepancy, OutputLayout, Tolerance, run_and_compare
 
@@ -124,16 +125,19 @@ def explore(
     recorded_only: bool = False,
     outputs: OutputLayout | None = None,
     pad_token_id: int | None = None,
+    asserted: Sequence[Any] = (),
 ) -> VariationOutcome:
     """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them, then,
     unless one failed, the largest (every free size at the high of its range, whatever
     hypothesis drew); never raises for a model problem (an exception of ``run`` fails its example).
-    ``recorded_only``: see :func:`size_ranges`; ``pad_token_id``: see :func:`~..shapes.synthesis.recipes`."""
+    ``recorded_only``: see :func:`size_ranges`; ``pad_token_id``: see :func:`~..shapes.synthesis.recipes`;
+    ``asserted``: conditions on the sizes the export asserts at run time (an example breaking one
+    is invalid: outside the domain of the export, whatever eager makes of it)."""
     from hypothesis import find, strategies
     from hypothesis.errors import NoSuchExample, Unsatisfiable
 
     ranges = size_ranges(shapes, recorded_only=recorded_only)
-    trials = _Trials(eager, run, shapes, tolerance, recipes(shapes, pad_token_id), outputs)
+    trials = _Trials(eager, run, shapes, tolerance, recipes(shapes, pad_token_id), outputs, list(asserted))
     if not ranges or examples <= 0:
         return trials.outcome(None)
     strategy = strategies.fixed_dictionaries(
@@ -179,6 +183,7 @@ class _Trials:
     tolerance: Tolerance
     leaf_recipes: list[Recipe]
     outputs: OutputLayout | None = None
+    asserted: list[Any] = field(default_factory=list)  # see explore()
     examples: list[Sizes] = field(default_factory=list)
     verdicts: list[Discrepancy | None] = field(default_factory=list)  # None: invalid
     ran: list[int] = field(default_factory=list)  # per example, which of its candidates eager took
@@ -223,8 +228,9 @@ class _Trials:
     def _verdict(self, free: Sizes) -> tuple[Discrepancy | None, int]:
         """The comparison on the first candidate eager takes, and which one it was (``None, -1``:
         eager rejects them all)."""
-        if min(complete_sizes(self.shapes, free).values()) < 0:  # a relation with a negative constant
-            return None, -1
+        sizes = complete_sizes(self.shapes, free)
+        if min(sizes.values()) < 0 or not satisfied(self.asserted, sizes):
+            return None, -1  # a relation with a negative constant, or sizes outside the export's domain
         for index, leaves in enumerate(self._candidates(free)):
             try:
                 expected = self.eager(detached_clone(leaves))

@@ -13,6 +13,7 @@ from typing import Any
 
 import onnx
 import pytest
+import sympy
 import torch
 
 from pytest_exportobs.compat.onnxruntime_text import kernel_lacked, lacks_kernel
@@ -27,6 +28,7 @@ from pytest_exportobs.compat.torch_private import (
     rename_onnx_axes,
     rnn_while_loops,
     size_oblivious,
+    sympy_functions,
     to_onnx_program,
 )
 from pytest_exportobs.compat.torch_text import (
@@ -78,6 +80,14 @@ def test_a_pytree_node_deregistered_is_a_leaf_again_and_registers_again() -> Non
         deregister_pytree_node(Pair)
         assert len(pytree.tree_leaves(Pair(1, 2))) == 1
     assert all(args[0] is not Pair for args, _ in pytree._cxx_pytree_pending_imports)
+
+
+def test_the_functions_of_torchs_size_conditions_are_found_by_name() -> None:
+    """What an exported program's runtime asserts are made of (a patch grid: ``FloorDiv``)."""
+    functions = sympy_functions()
+    assert {"FloorDiv", "PythonMod", "CleanDiv"} <= functions.keys()
+    side = sympy.Symbol("side", integer=True)
+    assert functions["FloorDiv"](side, 5).xreplace({side: sympy.Integer(24)}) == 4
 
 
 def test_size_oblivious_keeps_a_size_of_one_dynamic() -> None:

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import sympy
+import torch
 
+from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.core.vocabulary import RefinementKind
-from pytest_exportobs.engine.domain import Refinement, _asserted_divisor
+from pytest_exportobs.engine.domain import Refinement, _asserted_divisor, _condition, conditions, satisfied
+from pytest_exportobs.engine.eager import call_model
+from pytest_exportobs.engine.export import export_model
+from pytest_exportobs.engine.variations import explore
+from pytest_exportobs.engine.verify import Tolerance
+from pytest_exportobs.shapes.inference import DimPolicy
 
 s, b = sympy.Symbol("s76", integer=True, positive=True), sympy.Symbol("s6", integer=True, positive=True)
 floor = sympy.floor
@@ -40,3 +48,71 @@ def test_a_refinement_is_kept_in_the_export_cache_as_a_plain_list() -> None:
     assert Refinement.from_json(json.loads(json.dumps(split.to_json()))) == split
     with pytest.raises(ValueError):
         Refinement.from_json(["halve", "height", 2])  # a cache entry of another vocabulary: not read
+
+
+class PatchGrid(torch.nn.Module):
+    """A vision encoder made for 20x20 images: a grid of 4x4 patches of 5 pixels, each with its
+    position.  In eager a 5x5 image (one patch) broadcasts over the 16 positions; the export
+    asserts 16 patches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, 8, kernel_size=5, stride=5)
+        self.positions = torch.nn.Parameter(torch.randn(1, 16, 8))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        embeddings = self.patches(pixel_values).flatten(2).transpose(1, 2) + self.positions
+        return embeddings.softmax(-1).mean(1)
+
+
+def test_a_runtime_assert_the_shape_model_does_not_imply_is_kept_as_a_condition_on_variables() -> None:
+    torch.manual_seed(0)
+    model = PatchGrid().eval()
+    observer = InputObserver()
+    with observer(model), torch.no_grad():
+        for batch in (2, 3):
+            model(torch.randn(batch, 3, 20, 20))
+    shapes = ShapeModel.from_aligned(observer.aligned(), policy=DimPolicy(roles=True))
+    assert [v.name for v in shapes.variables] == ["batch", "height", "width"]
+    outcome = export_model(model, shapes, "torch", Path("unused.onnx").absolute())
+    assert outcome.ok, outcome.reason
+
+    asserted = [r for r in outcome.refinements if r.kind == RefinementKind.ASSERT]
+    found = conditions(asserted)
+    assert "Eq(((height//5))*((width//5)), 16)" in map(str, found)  # the grid; not torch's Ne(batch, 1)
+    assert not any(c.free_symbols == {sympy.Symbol("batch", integer=True)} for c in found)
+    assert conditions([Refinement.from_json(json.loads(json.dumps(r.to_json()))) for r in asserted]) == found
+    assert satisfied(found, {"batch": 3, "height": 24, "width": 20})
+    assert not satisfied(found, {"batch": 3, "height": 5, "width": 5})  # eager broadcasts one patch
+    assert model(torch.randn(3, 3, 5, 5)).shape == (3, 8)
+    assert any(note.startswith("torch.export asserts Eq(((height//5))*((width//5)), 16)") for note in outcome.notes)
+
+
+def test_an_example_outside_the_conditions_is_invalid_whatever_eager_makes_of_it(tmp_path: Path) -> None:
+    """Eager takes the 5x5 to 9x9 images (one patch) the export does not serve: with the grid's
+    condition those examples are invalid, not failures."""
+    torch.manual_seed(0)
+    model = PatchGrid().eval()
+    observer = InputObserver()
+    with observer(model), torch.no_grad():
+        for size in (20, 24):
+            model(torch.randn(2, 3, size, size))
+    shapes = ShapeModel.from_aligned(observer.aligned())  # what the calls vary: the side of square images
+    (side,) = [v.name for v in shapes.variables]
+    grid = _condition(json.dumps(["Equality", ["Pow", ["FloorDiv", ["Symbol", side], 5], 2], 16]))
+
+    def eager(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [call_model(model, *leaves)]
+
+    def graph(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        if (leaves[0].shape[2] // 5) ** 2 != 16:
+            raise RuntimeError("MatMul dimension mismatch")  # what onnxruntime said of Siglip's graph there
+        return eager(leaves)
+
+    found = {}
+    for asserted in ([], [grid]):
+        found[len(asserted)] = explore(eager=eager, run=graph, shapes=shapes, tolerance=Tolerance(), examples=40,
+                                       seed=0, database_dir=tmp_path, asserted=asserted)
+    assert found[0].failed and found[0].failing_sizes == {side: 5}
+    assert not found[1].failed and found[1].valid > 0
