@@ -65,7 +65,7 @@ class PatchGrid(torch.nn.Module):
         return embeddings.softmax(-1).mean(1)
 
 
-def test_a_runtime_assert_the_shape_model_does_not_imply_is_kept_as_a_condition_on_variables() -> None:
+def test_a_runtime_assert_the_shape_model_does_not_imply_is_kept_as_a_condition_on_variables(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = PatchGrid().eval()
     observer = InputObserver()
@@ -74,7 +74,7 @@ def test_a_runtime_assert_the_shape_model_does_not_imply_is_kept_as_a_condition_
             model(torch.randn(batch, 3, 20, 20))
     shapes = ShapeModel.from_aligned(observer.aligned(), policy=DimPolicy(roles=True))
     assert [v.name for v in shapes.variables] == ["batch", "height", "width"]
-    outcome = export_model(model, shapes, "torch", Path("unused.onnx").absolute())
+    outcome = export_model(model, shapes, "torch", tmp_path / "model.onnx")
     assert outcome.ok, outcome.reason
 
     asserted = [r for r in outcome.refinements if r.kind == RefinementKind.ASSERT]
