@@ -23,6 +23,10 @@ from ..core.versions import package_versions
 from ..shapes.model import ShapeModel
 from .domain import Refinement
 
+# What an entry holds; a change makes earlier entries miss (2: the conditions of runtime asserts
+# among the refinements)
+ENTRY_FORMAT = 2
+
 
 @dataclass
 class CacheEntry:
@@ -47,7 +51,7 @@ class ExportCache:
         """Hash of what the ONNX file depends on: the classes of the model and its submodules
         (qualified names and source files), its configuration, the method exported, the constant
         arguments bound, the input structure (tree, dtypes, ranks) and its dynamic dims, the
-        weights, package versions and patches."""
+        weights, package versions, patches and the entries' :data:`ENTRY_FORMAT`."""
         digest = hashlib.sha256()
         classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules()})
         constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
@@ -62,7 +66,7 @@ class ExportCache:
         flat, spec = _pytree.tree_flatten((args, kwargs))
         digest.update(str(spec).encode())
         digest.update(repr([(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in flat]).encode())
-        digest.update(json.dumps([package_versions(), list(self.extra)]).encode())
+        digest.update(json.dumps([package_versions(), list(self.extra), ENTRY_FORMAT]).encode())
         return digest.hexdigest()[:32]
 
     def load(self, key: str, onnx_path: Path) -> CacheEntry | None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pytest_exportobs import InputObserver, ShapeModel
+from pytest_exportobs.engine import cache
 from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.engine.verify import OutputLayout, Tolerance, compare, run_and_compare
@@ -121,6 +122,16 @@ def test_second_run_hits_the_cache_and_a_changed_weight_misses_it(tmp_path: Path
     third = check_model(group, settings(tmp_path))
     assert third.cache_hit is False and third.verdict == "passed"
     assert third.reference.startswith("recomputed on the exported instance for 2 of 2")
+
+
+def test_an_entry_of_an_earlier_format_misses_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries written before the conditions of runtime asserts were kept would lack them."""
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    assert check_model(group, settings(tmp_path)).cache_hit is False
+    monkeypatch.setattr(cache, "ENTRY_FORMAT", cache.ENTRY_FORMAT - 1)
+    assert check_model(group, settings(tmp_path)).cache_hit is False
+    monkeypatch.undo()
+    assert check_model(group, settings(tmp_path)).cache_hit is True
 
 
 def test_corrupted_cache_entry_is_rebuilt(tmp_path: Path) -> None:
