@@ -236,7 +236,12 @@ def satisfied(conditions: Sequence[sympy.Basic], sizes: Mapping[str, int]) -> bo
 
 
 def _holds(condition: sympy.Basic, sizes: Mapping[str, int]) -> bool:
-    return bool(condition.xreplace({s: sympy.Integer(sizes[str(s)]) for s in condition.free_symbols}))
+    """Whether ``sizes`` meet ``condition``; one sympy cannot decide (a division by a size of 0)
+    excludes nothing."""
+    try:
+        return bool(condition.xreplace({s: sympy.Integer(sizes[str(s)]) for s in condition.free_symbols}))
+    except (TypeError, ZeroDivisionError):
+        return True
 
 
 def _tree(expr: sympy.Basic) -> Any:

@@ -116,3 +116,10 @@ def test_an_example_outside_the_conditions_is_invalid_whatever_eager_makes_of_it
                                        seed=0, database_dir=tmp_path, asserted=asserted)
     assert found[0].failed and found[0].failing_sizes == {side: 5}
     assert not found[1].failed and found[1].valid > 0
+
+
+def test_a_condition_sympy_cannot_decide_at_some_sizes_excludes_none_of_them() -> None:
+    frames = _condition(json.dumps(["Equality", ["FloorDiv", 6, ["Symbol", "frames"]], 2]))
+    assert satisfied([frames], {"frames": 3}) and not satisfied([frames], {"frames": 4})
+    assert satisfied([frames], {"frames": 0})  # 6 // 0: undecided, not a size outside the domain
+    assert satisfied([frames], {"batch": 4})  # a condition on a variable the sizes lack
