@@ -197,27 +197,22 @@ def apply_refinements(shapes: ShapeModel, found: list[Refinement]) -> tuple[Shap
 
 
 def asserted_conditions(
-    shapes: ShapeModel, inputs: list[int], read: list[Shape], asserts: Sequence[sympy.Basic],
+    shapes: ShapeModel, names: Mapping[str, str], asserts: Sequence[sympy.Basic],
 ) -> list[Refinement]:
     """The program's runtime asserts on the sizes of input axes that exclude sizes the shape model
-    allows, as conditions on its variables (``Eq((height//5)*(width//5), 16)``: a vision model's
-    grid of patches).  Left out: those that hold on every one of :data:`SAMPLES` draws of the free
-    sizes from 2 to 64 (torch's ``Ne(batch, 1)``, a relation the shape model has), and those made
-    of functions :func:`conditions` cannot read back."""
-    position = {leaf: i for i, leaf in enumerate(inputs)}
-    variables: dict[sympy.Symbol, sympy.Symbol] = {}
-    for var in shapes.variables:
-        for leaf, dim in var.axes:
-            if leaf in position and isinstance(symbol := read[position[leaf]][dim], sympy.Symbol):
-                variables.setdefault(symbol, sympy.Symbol(var.name, integer=True))
+    allows, as conditions on its variables (``names``: the variable of each symbol, as
+    :func:`refinements` and the export name them; ``Eq((height//5)*(width//5), 16)``: a vision
+    model's grid of patches).  Left out: those that hold on every one of :data:`SAMPLES` draws of
+    the free sizes from 2 to 64 (torch's ``Ne(batch, 1)``, a relation the shape model has), and
+    those made of functions :func:`conditions` cannot read back."""
     draws = Random(0)
     free = free_variables(shapes)
     samples = [complete_sizes(shapes, {name: draws.randint(2, 64) for name in free}) for _ in range(SAMPLES)]
     found = []
     for condition in asserts:
-        if not condition.free_symbols or not condition.free_symbols <= variables.keys():
+        if not condition.free_symbols or not {str(symbol) for symbol in condition.free_symbols} <= names.keys():
             continue
-        condition = condition.xreplace(variables)
+        condition = condition.xreplace({s: sympy.Symbol(names[str(s)], integer=True) for s in condition.free_symbols})
         if all(satisfied([condition], sizes) for sizes in samples):
             continue
         if (tree := _tree(condition)) is not None:

@@ -223,15 +223,15 @@ def _refine(
     asserts = deferred_asserts(outcome.program)
     names, proved = refinements(shapes, inputs, read, asserts)
     shapes, notes = apply_refinements(shapes, proved)
-    asserted = asserted_conditions(shapes, inputs, read, asserts)  # those the refined model does not imply
-    shapes, more = apply_refinements(shapes, asserted)
-    outcome.refinements = [*splits, *proved, *asserted]
-    outcome.shapes = shapes
-    outcome.notes.extend([*notes, *more])
     for var in shapes.variables:  # every other symbol of an input axis is named after its variable
         for leaf, dim in var.axes:
             if leaf in inputs:
                 names.setdefault(str(read[inputs.index(leaf)][dim]), var.name)
+    asserted = asserted_conditions(shapes, names, asserts)  # those the refined model does not imply
+    shapes, more = apply_refinements(shapes, asserted)
+    outcome.refinements = [*splits, *proved, *asserted]
+    outcome.shapes = shapes
+    outcome.notes.extend([*notes, *more])
     return shapes, names
 
 
