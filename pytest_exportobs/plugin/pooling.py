@@ -98,13 +98,12 @@ class Pool:
 
     def offer(self, store: Any) -> None:
         """Save what is left of ``store`` (``None``: nothing observed), then the manifest: per
-        model its observation count and :func:`~..observe.pool.tally`."""
+        model its :func:`~..observe.pool.tally` (one count per observation kept)."""
         from ..observe.pool import tally
 
         if store is not None:
             self.save(store)
-        models = [{"base": base, "identity": ident, "observations": store.groups[name].recorder.num_obs(),
-                   "tally": tally(store.groups[name].recorder)}
+        models = [{"base": base, "identity": ident, "tally": tally(store.groups[name].recorder)}
                   for name, (base, ident) in sorted(({} if store is None else store.keys()).items())]
         write_atomic(_manifest(self.directory, self.worker), json_text({"models": models}))
 
@@ -187,7 +186,7 @@ class Pool:
         held: dict[str, dict[Key, int]] = {}
         for worker in self._savers:
             if worker in self._manifests:
-                held[worker] = {key: m["observations"] for key, m in self._manifests[worker].items()}
+                held[worker] = {key: len(m["tally"]["calls"]) for key, m in self._manifests[worker].items()}
             else:
                 keys = [json.loads(path.read_text(encoding="utf-8"))
                         for path in (self.directory / worker).glob("*/key.json")]
