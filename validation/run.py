@@ -1,11 +1,19 @@
-"""Run transformers' own model tests with every model observed, and read the verdicts as a user would.
+"""Run a real project's own model tests with every model observed, and read the verdicts as a user would.
 
-For each architecture: ``tests/models/<arch>/test_modeling_<arch>.py`` once without the plugin and
-once with ``--export-check --export-observe transformers.PreTrainedModel``; every ordinary test's
-outcome is compared between the two runs, and the plugin's JSON report becomes a compatibility
-table per model class.  See validation/README.md for getting the sources and the environment.
+Two suites, each run once without the plugin and once with ``--export-check --export-observe CLASS``
+(no conftest, no test edited); every ordinary test's outcome is compared between the two runs,
+and the plugin's JSON report becomes a compatibility table:
 
-    python validation/run.py --python /path/to/venv/bin/python --tests /path/to/tree --arch bert llama
+- ``transformers``: ``tests/models/<arch>/test_modeling_<arch>.py`` per architecture, observing
+  ``transformers.PreTrainedModel``; one row per model class.
+- ``timm``: ``tests/test_models.py`` of timm's sdist for a selection of models (their forward,
+  backward and default-config tests), observing ``torch.nn.Module`` (timm models share no base
+  class); one row per timm model.
+
+See validation/README.md for getting the sources and the environments.
+
+    python validation/run.py transformers --python /path/to/venv/bin/python --tests /path/to/tree --arch bert llama
+    python validation/run.py timm --python /path/to/venv/bin/python --tests /path/to/timm-1.0.31
 """
 
 from __future__ import annotations
@@ -18,20 +26,33 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-OBSERVE = ("--export-check", "--export-observe", "transformers.PreTrainedModel")
+# timm's tests of one model that call it: forward (eval, batch 1), backward (training, batch 2,
+# 42 classes), and the default-config tests (on the meta device on torch >= 2.3)
+TIMM_TESTS = ("test_model_forward", "test_model_backward", "test_model_default_cfgs",
+              "test_model_default_cfgs_non_std")
+# Small models of the families a user of timm meets, one or two each (see validation/README.md)
+TIMM_MODELS = (
+    "resnet10t", "test_resnet", "efficientnet_b0", "mobilenetv3_small_050", "convnext_atto", "test_vit",
+    "deit_tiny_distilled_patch16_224", "swin_tiny_patch4_window7_224", "mobilevit_xxs", "test_coatnet",
+    "test_maxvit", "levit_128s", "regnetx_002", "test_nfnet", "mambaout_femto", "efficientvit_b0",
+    "efficientvit_m0", "tiny_vit_5m_224", "xcit_nano_12_p16_224", "test_vit_relpos", "pvt_v2_b0",
+)
 
 
 @dataclass
 class Run:
-    """One pytest run of an architecture's tests: outcomes by node id, exit code, wall time."""
+    """One pytest run: outcomes by node id, exit code, wall time, peak memory (KiB: the largest
+    resident size of its processes)."""
 
     outcomes: dict[str, str]
     exit_code: int
     seconds: float
     internal_errors: int
+    max_rss_kib: int = 0
 
 
 @dataclass
@@ -47,19 +68,36 @@ class Group:
     graphs: int
     observations: int
     seconds: float
+    sources: list[str] = field(default_factory=list)
 
 
 @dataclass
-class Architecture:
-    """Everything measured for one architecture."""
+class Unit:
+    """What one pair of runs covers: an architecture's test file, or timm's selected tests."""
 
-    arch: str
+    name: str
+    cwd: Path
+    tests: list[str]  # paths or node ids
+    observe: str  # the class given to --export-observe
+    row: Callable[[Group], str]  # the table row a group counts in
+    main_tests: tuple[str, ...] = ()  # tests whose groups are a row's main ones (default: most calls)
+
+
+@dataclass
+class Measured:
+    """Everything measured for one unit."""
+
+    name: str
     tests: int
     changed: dict[str, list[str]]
     internal_errors: int
     seconds_without: float
     seconds_with: float
+    max_rss_without_kib: int = 0
+    max_rss_with_kib: int = 0
     groups: list[Group] = field(default_factory=list)
+    rows: dict[str, list[str]] = field(default_factory=dict)  # row -> group names
+    mains: dict[str, dict[str, str]] = field(default_factory=dict)  # row -> {label: main group name}
 
 
 def assemble(mirror: Path, tag: str, tree: Path, python: str) -> None:
@@ -78,21 +116,28 @@ def assemble(mirror: Path, tag: str, tree: Path, python: str) -> None:
         link.symlink_to(package)
 
 
-def run_tests(python: str, tree: Path, arch: str, out: Path, plugin: bool, extra: list[str]) -> Run:
-    """pytest on one architecture's modeling tests; junitxml and log into ``out``."""
+def run_tests(python: str, unit: Unit, out: Path, plugin: bool, extra: list[str]) -> Run:
+    """pytest on one unit's tests; junitxml and log into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     tag = "with" if plugin else "without"
     junit = out / f"junit-{tag}.xml"
-    options = [*OBSERVE, f"--export-report={out / 'report.json'}", f"--export-dir={out / 'artifacts'}"] if plugin else [
-        "-p", "no:exportobs"]
-    command = [python, "-m", "pytest", f"tests/models/{arch}/test_modeling_{arch}.py", "-p", "no:cacheprovider", "-q",
-               f"--junitxml={junit}", *options, *extra]
+    options = ["--export-check", "--export-observe", unit.observe, f"--export-report={out / 'report.json'}",
+               f"--export-dir={out / 'artifacts'}"] if plugin else ["-p", "no:exportobs"]
+    listed = out / "tests.txt"  # node ids can be too many for a command line
+    listed.write_text("\n".join(unit.tests) + "\n")
+    command = [python, "-m", "pytest", f"@{listed}", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}",
+               *options, *extra]
+    log = out / f"log-{tag}.txt"
     begin = time.perf_counter()
-    completed = subprocess.run(command, cwd=tree, capture_output=True, text=True, env=_environment())
+    with log.open("w") as output:
+        process = subprocess.Popen(command, cwd=unit.cwd, stdout=output, stderr=subprocess.STDOUT,
+                                   env=_environment())
+        _, status, usage = os.wait4(process.pid, 0)  # the usage of its whole tree of processes
+        process.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - begin
-    (out / f"log-{tag}.txt").write_text(completed.stdout + completed.stderr)
     outcomes = read_junit(junit) if junit.exists() else {}
-    return Run(outcomes, completed.returncode, seconds, completed.stdout.count("INTERNALERROR"))
+    return Run(outcomes, process.returncode, seconds, log.read_text().count("INTERNALERROR"),
+               usage.ru_maxrss)
 
 
 def _environment() -> dict[str, str]:
@@ -119,7 +164,7 @@ def read_groups(report: Path) -> list[Group]:
     return [
         Group(m["name"], m["model_class"].rsplit(".", 1)[-1], m["verdict"], m.get("stage", ""), m.get("kind", ""),
               m.get("reason", ""), len(m.get("graphs", [])), m.get("n_observations", 0),
-              sum(m.get("timings", {}).values()))
+              sum(m.get("timings", {}).values()), m.get("sources", []))
         for m in (models.values() if isinstance(models, dict) else models)
     ]
 
@@ -131,67 +176,128 @@ def compare(without: Run, with_plugin: Run) -> dict[str, list[str]]:
             if without.outcomes.get(n) != with_plugin.outcomes.get(n)}
 
 
-def table(result: Architecture) -> str:
-    """Markdown: the ordinary tests, then one row per model class (its main group: most calls)."""
-    lines = [f"## {result.arch}", "",
+def table(result: Measured) -> str:
+    """Markdown: the ordinary tests, then one row per model class or timm model with its main
+    groups (the group with most calls, or those of the unit's main tests)."""
+    slower = result.seconds_with / result.seconds_without if result.seconds_without else float("nan")
+    memory = (f"; peak RSS {result.max_rss_without_kib / 2**20:.2f} GB without, "
+              f"{result.max_rss_with_kib / 2**20:.2f} GB with" if result.max_rss_with_kib else "")
+    lines = [f"## {result.name}", "",
              f"{result.tests} ordinary tests, {len(result.changed)} outcomes changed by the plugin, "
              f"{result.internal_errors} INTERNALERROR; {result.seconds_without:.0f} s without the plugin, "
-             f"{result.seconds_with:.0f} s with it (observation and checks).", ""]
+             f"{result.seconds_with:.0f} s with it ({slower:.1f}x){memory}.", ""]
     lines += [f"- changed: `{name}` {before} → {after}" for name, (before, after) in result.changed.items()]
-    lines += ["", "| model class | groups | passed / failed / skipped | main group | graphs | verdict "
-                  "| stage / kind | check time |",
-              "|---|---|---|---|---|---|---|---|"]
-    by_class: dict[str, list[Group]] = defaultdict(list)
-    for group in result.groups:
-        by_class[group.model_class].append(group)
-    for cls, groups in sorted(by_class.items()):
-        main = max(groups, key=lambda g: g.observations)
+    lines += ["", "| model | groups | passed / failed / skipped | main groups | not passed: stage / kind "
+                  "| check time |", "|---|---|---|---|---|---|"]
+    by_name = {g.name: g for g in result.groups}
+    for row, names in sorted(result.rows.items()):
+        groups = [by_name[n] for n in names]
+        mains = {label: by_name[name] for label, name in result.mains.get(row, {}).items()}
         counts = "/".join(str(sum(g.verdict == v for g in groups)) for v in ("passed", "failed", "skipped"))
-        where = f"{main.stage} / {main.kind}" if main.verdict != "passed" else "-"
-        lines.append(f"| {cls} | {len(groups)} | {counts} | {main.observations} calls | {main.graphs} | {main.verdict} "
-                     f"| {where} | {sum(g.seconds for g in groups):.0f} s |")
-    failing = [g for g in result.groups if g.verdict == "failed"]
+        shown = ", ".join(f"{label} {g.verdict} ({g.observations} calls, {g.graphs} graphs)"
+                          for label, g in mains.items()) or "-"
+        where = "; ".join(f"{g.stage} / {g.kind}" for g in mains.values() if g.verdict != "passed") or "-"
+        seconds = sum(g.seconds for g in groups)
+        lines.append(f"| {row} | {len(groups)} | {counts} | {shown} | {where} | {seconds:.0f} s |")
+    failing = [g for g in result.groups if g.verdict != "passed"]
     if failing:
-        lines += ["", "Failures:", ""] + [f"- `{g.name}` ({g.stage}, {g.kind}): {g.reason[:300]}" for g in failing]
+        lines += ["", "Not passed:", ""] + [f"- `{g.name}` {g.verdict} ({g.stage}, {g.kind}): {g.reason[:300]}"
+                                            for g in failing]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", nargs="+", required=True, help="directories of tests/models (bert, llama, ...)")
-    parser.add_argument("--python", default=sys.executable, help="interpreter of the environment to test in")
-    parser.add_argument("--tests", type=Path, required=True, help="the test tree (made by --mirror/--tag)")
-    parser.add_argument("--mirror", type=Path, help="a git directory of the transformers repository")
-    parser.add_argument("--tag", default="v5.15.0",
-                        help="the release whose tests to take (match the installed version)")
-    parser.add_argument("--workdir", type=Path, default=Path("validation-results"))
-    parser.add_argument("--skip-baseline", action="store_true", help="reuse the runs without the plugin")
-    parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (-k, --timeout ...)")
-    args = parser.parse_args(argv)
-    if args.mirror is not None:
-        assemble(args.mirror, args.tag, args.tests, args.python)
-    results = [_architecture(args, arch) for arch in args.arch]
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    for result in results:
-        (args.workdir / f"{result.arch}.md").write_text(table(result))
-    (args.workdir / "summary.md").write_text("\n".join(table(r) for r in results))
-    (args.workdir / "summary.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
-    print((args.workdir / "summary.md").read_text())
-    return 0
+def main_groups(unit: Unit, groups: list[Group]) -> dict[str, str]:
+    """``{label: group name}``: per main test of the unit, the group its calls made (timm:
+    ``forward``, ``backward``); else the group with most calls (``main``)."""
+    if not unit.main_tests:
+        return {"main": max(groups, key=lambda g: g.observations).name} if groups else {}
+    found = {}
+    for test in unit.main_tests:
+        made = [g for g in groups if any(s.split("::")[-1].startswith(f"{test}[") for s in g.sources)]
+        if made:
+            found[test.removeprefix("test_model_")] = max(made, key=lambda g: g.observations).name
+    return found
 
 
-def _architecture(args: argparse.Namespace, arch: str) -> Architecture:
-    out = args.workdir / arch
+def measure(args: argparse.Namespace, unit: Unit) -> Measured:
+    out = args.workdir / unit.name
     saved = out / "without.json"
     if args.skip_baseline and saved.exists():
         without = Run(**json.loads(saved.read_text()))
     else:
-        without = run_tests(args.python, args.tests, arch, out, plugin=False, extra=args.pytest_args)
+        without = run_tests(args.python, unit, out, plugin=False, extra=args.pytest_args)
         saved.write_text(json.dumps(asdict(without)))
-    with_plugin = run_tests(args.python, args.tests, arch, out, plugin=True, extra=args.pytest_args)
-    return Architecture(arch, len(without.outcomes), compare(without, with_plugin),
-                        with_plugin.internal_errors, without.seconds, with_plugin.seconds,
-                        read_groups(out / "report.json"))
+    with_plugin = run_tests(args.python, unit, out, plugin=True, extra=args.pytest_args)
+    groups = read_groups(out / "report.json")
+    rows: dict[str, list[Group]] = defaultdict(list)
+    for group in groups:
+        rows[unit.row(group)].append(group)
+    return Measured(unit.name, len(without.outcomes), compare(without, with_plugin), with_plugin.internal_errors,
+                    without.seconds, with_plugin.seconds, without.max_rss_kib, with_plugin.max_rss_kib, groups,
+                    {row: [g.name for g in members] for row, members in rows.items()},
+                    {row: main_groups(unit, members) for row, members in rows.items()})
+
+
+def transformers_units(args: argparse.Namespace) -> list[Unit]:
+    if args.mirror is not None:
+        assemble(args.mirror, args.tag, args.tests, args.python)
+    return [Unit(arch, args.tests, [f"tests/models/{arch}/test_modeling_{arch}.py"], "transformers.PreTrainedModel",
+                 lambda group: group.model_class) for arch in args.arch]
+
+
+def timm_units(args: argparse.Namespace) -> list[Unit]:
+    """One unit: the selected models' tests, collected once; a group counts in the row of the
+    timm model whose tests called it (the first of its sources)."""
+    listed = subprocess.run(
+        [args.python, "-m", "pytest", "tests/test_models.py", "--collect-only", "-q", "-p", "no:exportobs",
+         "-p", "no:cacheprovider"], cwd=args.tests, capture_output=True, text=True, env=_environment()).stdout
+    wanted = set(args.models)
+    selected = [node for node in listed.splitlines() if "::" in node and _timm_test(node)[0] in TIMM_TESTS
+                and _timm_test(node)[1] & wanted]
+    if not selected:
+        raise SystemExit(f"no test of {sorted(wanted)} collected in {args.tests}/tests/test_models.py")
+
+    def row(group: Group) -> str:
+        found = sorted({name for source in group.sources for name in _timm_test(source)[1] & wanted})
+        return found[0] if found else "(other)"
+
+    return [Unit("timm", args.tests, selected, "torch.nn.Module", row, ("test_model_forward", "test_model_backward"))]
+
+
+def _timm_test(node: str) -> tuple[str, set[str]]:
+    """``tests/test_models.py::test_model_default_cfgs[1-resnet18.a1_in1k]`` -> the test, its
+    parameters (a model's pretrained tag dropped: ``resnet18``)."""
+    test = node.split("::")[-1]
+    name, _, params = test.partition("[")
+    return name, {param.split(".")[0] for param in params.rstrip("]").split("-")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", default=sys.executable, help="interpreter of the environment to test in")
+    parser.add_argument("--workdir", type=Path, default=Path("validation-results"))
+    parser.add_argument("--skip-baseline", action="store_true", help="reuse the runs without the plugin")
+    suites = parser.add_subparsers(dest="suite", required=True)
+    tf = suites.add_parser("transformers", help="transformers' tests/models/<arch>")
+    tf.add_argument("--arch", nargs="+", required=True, help="directories of tests/models (bert, llama, ...)")
+    tf.add_argument("--tests", type=Path, required=True, help="the test tree (made by --mirror/--tag)")
+    tf.add_argument("--mirror", type=Path, help="a git directory of the transformers repository")
+    tf.add_argument("--tag", default="v5.15.0", help="the release whose tests to take (match the installed version)")
+    timm = suites.add_parser("timm", help="timm's tests/test_models.py for a selection of models")
+    timm.add_argument("--tests", type=Path, required=True, help="timm's unpacked sdist (holds tests/)")
+    timm.add_argument("--models", nargs="+", default=list(TIMM_MODELS), help="timm model names")
+    for sub in (tf, timm):
+        sub.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (-k, --timeout ...)")
+    args = parser.parse_args(argv)
+    units = transformers_units(args) if args.suite == "transformers" else timm_units(args)
+    results = [measure(args, unit) for unit in units]
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    for result in results:
+        (args.workdir / f"{result.name}.md").write_text(table(result))
+    (args.workdir / "summary.md").write_text("\n".join(table(r) for r in results))
+    (args.workdir / "summary.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    print((args.workdir / "summary.md").read_text())
+    return 0
 
 
 if __name__ == "__main__":
