@@ -4,6 +4,7 @@ package versions that changed since the baseline."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 from collections.abc import Set
 from dataclasses import dataclass, field
@@ -204,20 +205,70 @@ def _missing(name: str, strict: bool) -> GateEntry:
 
 
 def _regressions(entry: BaselineEntry, result: ModelResult, versions: Versions) -> list[str]:
-    """A passing model now failing; dims dynamic in the baseline now static (when dims are known).
-    The first problem names the versions that changed since the baseline."""
+    """A passing model now failing; dims dynamic in the baseline now static (when dims are known),
+    compared under the names the inputs have now (see :func:`renamed_inputs`).  The first
+    problem names the versions that changed since the baseline."""
     problems = []
     if entry.verdict == Verdict.PASSED and _failing(result.verdict):
         problems.append(f"passed→{_at(result.verdict, result.stage)}{_since(versions, 'passed', 'fails')}")
     if _dims_known(result.verdict, result.stage):
+        renames = _renames(entry, result)
         now = {g.name: g.dims for g in result.graphs}
-        lost = _lost_dims(entry.dims, result.dims, "") + [
-            problem for name, dims in entry.graph_dims.items() if name in now
-            for problem in _lost_dims(dims, now[name], f"[{name}] ")]
+        lost = _lost_dims(_renamed(entry.dims, renames), result.dims, "") + [
+            problem for name, dims in entry.graph_dims.items() if (graph := _renamed_graph(name, renames)) in now
+            for problem in _lost_dims(_renamed(dims, renames), now[graph], f"[{graph}] ")]
         if lost and not problems:
             lost[0] += _since(versions, "dynamic", "static")
         problems += lost
     return problems
+
+
+def renamed_inputs(before: dict[str, dict[str, str]], now: dict[str, dict[str, str]]) -> dict[str, str]:
+    """``{old name: new name}`` of the top-level inputs renamed between the baseline's dims and
+    today's (transformers 5.24's ``past_key_values`` → ``cache``): an old name absent now, whose
+    leaves (``key_0``, ``value_0``…) a new name absent from the baseline holds, the only one."""
+    old_inputs, new_inputs = _by_input(before), _by_input(now)
+    gone, came = old_inputs.keys() - new_inputs.keys(), new_inputs.keys() - old_inputs.keys()
+    renames: dict[str, str] = {}
+    for old in sorted(gone):
+        candidates = [new for new in sorted(came) if new_inputs[new].keys() <= old_inputs[old].keys()
+                      and new not in renames.values()]
+        exact = [new for new in candidates if new_inputs[new] == old_inputs[old]]
+        if len(candidates) == 1 or len(exact) == 1:
+            renames[old] = (exact or candidates)[0]
+    return renames
+
+
+def _renames(entry: BaselineEntry, result: ModelResult) -> dict[str, str]:
+    """:func:`renamed_inputs` over every dim of the model and of its graphs."""
+    before = {name: axes for dims in (entry.dims, *entry.graph_dims.values()) for name, axes in dims.items()}
+    now = {name: axes for dims in (result.dims, *(g.dims for g in result.graphs)) for name, axes in dims.items()}
+    return renamed_inputs(before, now)
+
+
+def _by_input(dims: dict[str, dict[str, str]]) -> dict[str, dict[str, dict[str, str]]]:
+    """``{top-level input: {leaf path under it: axes}}`` (``past_key_values.key_0`` → ``key_0``)."""
+    found: dict[str, dict[str, dict[str, str]]] = {}
+    for name, axes in dims.items():
+        top, _, rest = name.partition(".")
+        found.setdefault(top, {})[rest] = axes
+    return found
+
+
+def _renamed(dims: dict[str, dict[str, str]], renames: dict[str, str]) -> dict[str, dict[str, str]]:
+    return {_renamed_leaf(name, renames): axes for name, axes in dims.items()}
+
+
+def _renamed_leaf(name: str, renames: dict[str, str]) -> str:
+    top, dot, rest = name.partition(".")
+    return f"{renames.get(top, top)}{dot}{rest}"
+
+
+def _renamed_graph(name: str, renames: dict[str, str]) -> str:
+    """A graph's name (``with past_key_values, use_cache=True``) with the renamed inputs' new names."""
+    for old, new in renames.items():
+        name = re.sub(rf"\b{re.escape(old)}\b", new, name)
+    return name
 
 
 def _lost_dims(before: dict[str, dict[str, str]], now: dict[str, dict[str, str]], where: str) -> list[str]:
@@ -253,7 +304,8 @@ def states(old: dict[str, BaselineEntry], new: dict[str, ModelResult]) -> list[C
 
 def _notes(entry: BaselineEntry, result: ModelResult) -> list[str]:
     """Changes worth a look that do not fail the gate."""
-    notes = []
+    notes = [f"input {old} is now named {new}: its dims are compared under the new name"
+             for old, new in _renames(entry, result).items()]
     if _failing(entry.verdict) and _failing(result.verdict) and entry.stage != result.stage:
         notes.append(f"failing stage moved: {entry.stage or '?'} → {result.stage or '?'}")
     if result.passed and entry.max_abs is not None and result.max_abs is not None:

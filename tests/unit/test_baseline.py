@@ -107,6 +107,52 @@ def test_a_known_failure_losing_a_dim_is_a_regression():
     ]
 
 
+CACHE_DIMS = {"input_ids": {"0": "batch", "1": "seq"}, "attention_mask": {"0": "batch", "1": "total_seq"},
+              **{f"past_key_values.{kind}_{i}": {"0": "batch", "2": "past_seq"}
+                 for i in (0, 1) for kind in ("key", "value")}}
+
+
+def cache_renamed(dims: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """The dims with transformers 5.24's name of the cache argument."""
+    return {name.replace("past_key_values", "cache"): axes for name, axes in dims.items()}
+
+
+def test_an_input_renamed_with_the_same_leaves_and_dims_is_a_note_not_a_regression():
+    """transformers 5.24 passes generate()'s cache as ``cache``: the same dims under another name."""
+    versions = {"transformers": "5.23.0"}
+    old = baseline(result("llama", dims=CACHE_DIMS, env=versions))
+    now = result("llama", dims=cache_renamed(CACHE_DIMS), env={"transformers": "5.24.0"})
+    g = gate(old, [now], strict=False)
+    renamed = "input past_key_values is now named cache: its dims are compared under the new name"
+    assert g.entries == [GateEntry("llama", "passed", notes=[renamed])]
+    assert not g.failed and g.summary_line() == "exportobs gate: ok (1 passed, 0 regressions)"
+
+
+def test_a_dim_that_became_static_under_a_rename_is_still_a_regression():
+    lost = cache_renamed(CACHE_DIMS)
+    lost["cache.key_1"] = {"0": "batch"}
+    g = gate(baseline(result("llama", dims=CACHE_DIMS)), [result("llama", dims=lost)], strict=False)
+    assert g.entries[0].message == "dim cache.key_1.2 (past_seq) became static"
+    assert g.entries[0].regression and g.failed
+
+
+def test_the_graphs_of_a_renamed_input_are_compared_under_their_new_names():
+    old = ModelResult("llama", "passed", graphs=[GraphResult("", dims=LM_DIMS),
+                                                 GraphResult("with past_key_values", dims=CACHE_DIMS)])
+    static_past = cache_renamed(CACHE_DIMS) | {"cache.value_0": {"0": "batch"}}
+    now = ModelResult("llama", "passed", graphs=[GraphResult("", dims=LM_DIMS),
+                                                 GraphResult("with cache", dims=static_past)])
+    g = gate(baseline(old), [now], strict=False)
+    assert g.entries[0].message == "[with cache] dim cache.value_0.2 (past_seq) became static"
+
+
+def test_a_name_that_went_without_a_single_heir_is_no_rename():
+    """Two new inputs could hold the old one's leaves: the old dims are lost, as before."""
+    old = baseline(result("m", dims={"a.x": {"0": "batch"}}))
+    now = result("m", dims={"b.x": {"0": "batch"}, "c.x": {"0": "batch"}})
+    assert gate(old, [now], strict=False).entries[0].message == "dim a.x.0 (batch) became static"
+
+
 def test_max_abs_growth_within_tolerance_is_a_note():
     old = baseline(result("lm", max_abs=3.1e-07, atol=1e-4))
     g = gate(old, [result("lm", max_abs=2e-05, atol=1e-4)], strict=False)
