@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import transformers
 import zoo
 from transformers.modeling_outputs import BaseModelOutput
 
 from pytest_exportobs import make_dynamic_cache, make_encoder_decoder_cache
 
 Call = dict[str, Any]
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,11 @@ def qwen2_calls(model: torch.nn.Module) -> list[Call]:
         {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
         {"input_ids": labelled, "attention_mask": torch.ones_like(labelled), "labels": labelled},
     ]
+
+
+def moe_calls(model: torch.nn.Module) -> list[Call]:
+    """Batches and lengths the test never used: other tokens pick other experts."""
+    return [{"input_ids": _ids(4, 11, seed=2)}, {"input_ids": _ids(1, 3, seed=3)}]
 
 
 def encoder_calls(model: torch.nn.Module) -> list[Call]:
@@ -151,8 +158,10 @@ EXPECTED: dict[str, Expected] = {
     "gemma": Expected("passed", dynamic={**LLM, "attention_mask": (0, 1)}),
     "mistral": Expected("passed", dynamic=LLM),
     "opt": Expected("passed", dynamic={**LLM, "attention_mask": (0, 1)}),
-    # transformers 5: grouped_mm experts do not translate; 4.57: expert routing is data-dependent
-    "qwen2_moe": Expected("failed", ("onnx-translate", "torch.export"), "error"),
+    # transformers 5: grouped_mm experts, translated as transformers' exporter does; 4.57: expert routing
+    # is data-dependent
+    "qwen2_moe": Expected("passed", dynamic={"input_ids": (0, 1)}) if TRANSFORMERS_5
+    else Expected("failed", ("torch.export",), "error"),
     "roberta": Expected("passed", dynamic={"input_ids": (0, 1), "attention_mask": (0, 1)}),
     "bert": Expected("passed", dynamic={"input_ids": (0, 1)}),
     "text_encoder": Expected("passed", dynamic={"input_ids": (0, 1), "token_type_ids": (0, 1)}),
@@ -173,7 +182,7 @@ EXPECTED: dict[str, Expected] = {
 BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
     "llama_greedy": zoo.llama, "llama": zoo.llama, "llama_two_batches": zoo.llama, "llama_generate": zoo.llama,
     "static_llama": zoo.static_llama,
-    "qwen2": zoo.qwen2,
+    "qwen2": zoo.qwen2, "qwen2_moe": zoo.qwen2_moe,
     "gpt2": zoo.gpt2, "opt": zoo.opt, "gemma": zoo.gemma, "mistral": zoo.mistral, "roberta": zoo.roberta,
     "bert": zoo.bert_classifier, "text_encoder": lambda: zoo.seeded(zoo.TextEncoder),
     "pooler": lambda: zoo.seeded(zoo.MaskedMeanPool), "t5": zoo.t5, "whisper": zoo.whisper, "vit": zoo.vit,
@@ -188,6 +197,7 @@ HELD_OUT: dict[str, Callable[[torch.nn.Module], list[Call]]] = {
     "llama_generate": decoder_calls,
     "static_llama": static_cache_calls,
     "qwen2": qwen2_calls,
+    **({"qwen2_moe": moe_calls} if TRANSFORMERS_5 else {}),
     "gpt2": decoder_calls,
     "gemma": decoder_calls,
     "mistral": decoder_calls,

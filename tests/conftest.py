@@ -7,6 +7,16 @@ import pytest
 from models import tiny_llama_config
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Import the exporter (torch.export, torch.onnx, onnxscript's torchlib, onnxruntime) once per
+    process, before any test: pytester's fixture removes from ``sys.modules`` what its test
+    imported, and a translation registry built from those modules would then mix two copies of
+    them ("cannot translate aten.sym_size.int")."""
+    from pytest_exportobs.engine.export import prepare
+
+    prepare("onnx")
+
+
 @pytest.fixture(autouse=True)
 def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     """pytester sessions print whole lines (short summary lines are not cut)."""

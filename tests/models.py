@@ -6,6 +6,7 @@ so it imports nothing but torch and stays self-contained.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,17 @@ def tiny_llama_config(**overrides: Any) -> Any:
     return transformers.LlamaConfig(**{**values, **overrides})
 
 
+def cache_argument() -> str:
+    """The argument transformers' models take their cache by: ``cache`` from 5.24 on (the old
+    ``past_key_values`` warns), ``past_key_values`` before; their outputs name it the same."""
+    import inspect
+
+    import transformers
+
+    return "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else (
+        "past_key_values")
+
+
 def example_arguments(shapes: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` of the engine's export example for a ShapeModel."""
     from pytest_exportobs.core.trees import flattening_context
@@ -149,6 +161,49 @@ class HalvingUNet(torch.nn.Module):
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.up(torch.relu(self.down(latents))), latents], dim=1)
+
+
+class PatchMixer(torch.nn.Module):
+    """MobileViT's unfold: sides that are no multiple of the patch are interpolated to one first,
+    a branch on the size that torch.export traces once (``(batch, 3, h, w) -> (batch, 4, h, w)``)."""
+
+    patch = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.mix = torch.nn.Linear(4 * self.patch * self.patch, 4 * self.patch * self.patch)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.conv(pixel_values)
+        batch, channels, height, width = x.shape
+        new_h, new_w = math.ceil(height / self.patch) * self.patch, math.ceil(width / self.patch) * self.patch
+        if new_h != height or new_w != width:
+            x = torch.nn.functional.interpolate(x, size=(new_h, new_w), mode="bilinear")
+        p = self.patch
+        patches = x.reshape(batch, channels, new_h // p, p, new_w // p, p).permute(0, 2, 4, 1, 3, 5)
+        mixed = self.mix(patches.reshape(batch, new_h // p, new_w // p, channels * p * p))
+        x = mixed.reshape(batch, new_h // p, new_w // p, channels, p, p).permute(0, 3, 1, 4, 2, 5)
+        x = x.reshape(batch, channels, new_h, new_w)
+        return torch.nn.functional.interpolate(x, size=(height, width), mode="bilinear")
+
+
+class FixedGrid(torch.nn.Module):
+    """A stride-2 stem before position embeddings of a fixed 8x8 grid, features of another size
+    resized to it (EfficientViT-M, TinyViT): eager takes any size, torch.export pins height and
+    width solving its guards; only the batch can vary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 4, 3, stride=2, padding=1)
+        self.positions = torch.nn.Parameter(torch.randn(1, 4, 8, 8))
+        self.head = torch.nn.Linear(4, 5)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features = self.stem(images)
+        if features.shape[-2:] != self.positions.shape[-2:]:
+            features = torch.nn.functional.interpolate(features, size=self.positions.shape[-2:])
+        return self.head((features + self.positions).mean(dim=(2, 3)))
 
 
 def junit_cases(path: Path) -> dict[str, str]:

@@ -209,6 +209,12 @@ def _accepts(model: torch.nn.Module, name: str) -> bool:
     return name in inspect.signature(model.forward).parameters
 
 
+def _cache_name(model: torch.nn.Module) -> str:
+    """The argument the model takes its cache by: ``cache`` from transformers 5.24 on (the old
+    ``past_key_values`` warns there), ``past_key_values`` before."""
+    return "cache" if _accepts(model, "cache") else "past_key_values"
+
+
 def _token_ids(config: Any, batch: int, length: int) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, (batch, length), dtype=torch.int64)
 
@@ -255,16 +261,16 @@ def _causal_lm_inputs(model: torch.nn.Module, sizes: Sizes, cls_cache: str) -> I
     )
     if not past:
         return inputs, shapes
-    pairs = _kv_pairs(model.config, batch, past)
+    pairs, cache = _kv_pairs(model.config, batch, past), _cache_name(model)
     if cls_cache == "StaticCache":
-        inputs["past_key_values"] = make_static_cache(pairs, _round_up(sizes.total_len, 16))
-        shapes["past_key_values"] = _cache_shapes(len(pairs), {0: BATCH})
+        inputs[cache] = make_static_cache(pairs, _round_up(sizes.total_len, 16))
+        shapes[cache] = _cache_shapes(len(pairs), {0: BATCH})
         if _accepts(model, "cache_position"):
             inputs["cache_position"] = positions
             shapes["cache_position"] = {0: SEQ}
     else:
-        inputs["past_key_values"] = make_dynamic_cache(pairs)
-        shapes["past_key_values"] = _cache_shapes(len(pairs), {0: BATCH, 2: PAST})
+        inputs[cache] = make_dynamic_cache(pairs)
+        shapes[cache] = _cache_shapes(len(pairs), {0: BATCH, 2: PAST})
     return inputs, shapes
 
 
@@ -304,8 +310,8 @@ def _seq2seq_inputs(model: torch.nn.Module, sizes: Sizes, cls_cache: str) -> Inp
         decoder_input_ids={0: BATCH, 1: SEQ},
     )
     if sizes.past_len:
-        inputs["past_key_values"], shapes["past_key_values"] = _encoder_decoder_cache(
-            model.config, sizes, encoder_len)
+        cache = _cache_name(model)
+        inputs[cache], shapes[cache] = _encoder_decoder_cache(model.config, sizes, encoder_len)
     return inputs, shapes
 
 
@@ -323,8 +329,8 @@ def _speech_inputs(model: torch.nn.Module, sizes: Sizes, cls_cache: str) -> Inpu
     )
     shapes: dict[str, Any] = dict(input_features={0: BATCH}, decoder_input_ids={0: BATCH, 1: SEQ})
     if sizes.past_len:
-        inputs["past_key_values"], shapes["past_key_values"] = _encoder_decoder_cache(
-            config, sizes, encoder_len)
+        cache = _cache_name(model)
+        inputs[cache], shapes[cache] = _encoder_decoder_cache(config, sizes, encoder_len)
     return inputs, shapes
 
 

@@ -37,12 +37,21 @@ import torch
 def export_patches() -> Iterator[None]:
     """Every patch of this module, for the duration of the block."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(nested_var_keywords())
-        if "transformers" in sys.modules:
-            stack.enter_context(explicit_attention_masks())
-            stack.enter_context(unbacked_cache_lengths())
-            stack.enter_context(batched_image_features())
+        for _, patch in named_export_patches():
+            stack.enter_context(patch())
         yield
+
+
+def named_export_patches() -> list[tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]]:
+    """The patches :func:`export_patches` enters, by name: the transformers ones only when
+    transformers is imported."""
+    patches: list[tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]] = [
+        ("nested_var_keywords", nested_var_keywords)]
+    if "transformers" in sys.modules:
+        patches += [("explicit_attention_masks", explicit_attention_masks),
+                    ("unbacked_cache_lengths", unbacked_cache_lengths),
+                    ("batched_image_features", batched_image_features)]
+    return patches
 
 
 @contextlib.contextmanager

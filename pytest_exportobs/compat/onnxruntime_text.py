@@ -1,5 +1,6 @@
-"""Parsers of onnxruntime's errors: which op of a graph has no kernel in the session's provider.
-Tested on messages captured from onnxruntime (``tests/unit/test_compat.py``)."""
+"""Parsers of onnxruntime's errors: which op of a graph has no kernel in the session's provider,
+and which node failed a run.  Tested on messages captured from onnxruntime
+(``tests/unit/test_compat.py``)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,10 @@ def kernel_lacked(message: str) -> str:
         return f"{found[1]} (opset {found[2]}, node {found[3]})"
     typed = re.search(r"of operator \((\w+)\) in node \(([^)]*)\)", message)
     return f"{typed[1]} (node {typed[2]}) at the graph's opset" if typed else "an op of the graph"
+
+
+def failing_node(message: str) -> str | None:
+    """The name of the node a run failed in ("... while running Reshape node. Name:'node_view'
+    ..."), ``None`` when the message names none."""
+    found = re.search(r"while running \w+ node\. Name:'([^']*)'", message)
+    return found[1] if found else None

@@ -26,8 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = [
     "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node", "import_export_machinery",
-    "onnx_registry", "prepare_for_onnx", "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "sympy_functions",
-    "to_onnx_program",
+    "onnx_registry", "prepare_for_onnx", "register_translations", "rename_onnx_axes", "rnn_while_loops",
+    "size_oblivious", "sympy_functions", "to_onnx_program", "unchecked_module",
 ]
 
 # torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
@@ -52,6 +52,23 @@ def deregister_pytree_node(cls: type) -> None:
             pending for pending in pytree._cxx_pytree_pending_imports if pending[0][0] is not cls]
 
 
+_ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten._assert_async.msg)
+
+
+def unchecked_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
+    """The program's module as its ONNX translation runs: without the checks of its inputs'
+    sizes (``check_guards=False`` from torch 2.12, and the forward pre-hook left then: a range
+    from 2 rejects a batch of 1 the graph serves) and without its runtime asserts on sizes."""
+    takes_guards = "check_guards" in inspect.signature(program.module).parameters
+    graph_module = program.module(check_guards=False) if takes_guards else program.module()
+    graph_module._forward_pre_hooks.clear()
+    for node in list(graph_module.graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERTS and not node.users:
+            graph_module.graph.erase_node(node)
+    graph_module.recompile()
+    return graph_module
+
+
 def import_export_machinery() -> None:
     """Import what the first torch.export imports (about 2 s): forked checks inherit it."""
     importlib.import_module("torch.export._trace")
@@ -68,9 +85,28 @@ def sympy_functions() -> dict[str, type]:
             if isinstance(value, type) and issubclass(value, sympy.Basic) and value.__module__ == functions.__name__}
 
 
-@functools.cache
 def onnx_registry() -> Any:
-    """torchlib's registry of ONNX translations, built once per process."""
+    """torchlib's registry of ONNX translations, built once per process (with the translations
+    :func:`register_translations` added)."""
+    return _torchlib_registry()
+
+
+def register_translations(table: dict[Any, Any]) -> None:
+    """Add translations of ops (``{torch op: onnxscript function}``) to the registry, as
+    ``torch.onnx.export(custom_translation_table=...)`` does: torch.onnx prefers them to
+    torchlib's, and keeps the ops out of its decompositions.  Each op is registered once."""
+    registry = onnx_registry()
+    for op, function in table.items():
+        if op not in _REGISTERED:
+            registry.register_op(op, function)
+            _REGISTERED.add(op)
+
+
+_REGISTERED: set[Any] = set()
+
+
+@functools.cache
+def _torchlib_registry() -> Any:
     from torch.onnx._internal.exporter import _registration
 
     return _registration.ONNXRegistry.from_torchlib()
@@ -92,10 +128,15 @@ def guards_on_data(error: BaseException, function: str) -> bool:
 
 
 def to_onnx_program(program: torch.export.ExportedProgram) -> Any:
-    """torch.onnx's second step: the prepared program translated to an ``ONNXProgram``."""
+    """torch.onnx's second step: the prepared program translated to an ``ONNXProgram``, which
+    imports the default domain at the registry's opset even when no op needs it (a graph without
+    ops, ``nn.Identity``: onnx's checker rejects a model that imports no opset)."""
     from torch.onnx._internal.exporter import _core
 
-    return _core._exported_program_to_onnx_program(program, registry=onnx_registry())
+    registry = onnx_registry()
+    onnx_program = _core._exported_program_to_onnx_program(program, registry=registry)
+    onnx_program.model.opset_imports.setdefault("", registry.opset_version)
+    return onnx_program
 
 
 def rename_onnx_axes(model: Any, names: dict[Any, str]) -> None:

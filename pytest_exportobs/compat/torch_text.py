@@ -42,8 +42,10 @@ def _is_integer(value: object) -> TypeGuard[SupportsInt]:
 
 
 def rejects_dims(message: str) -> bool:
-    """Whether torch.export's user error rejects the dynamic shapes it was given."""
-    return "Constraints violated" in message
+    """Whether torch.export's user error rejects the dynamic shapes it was given: "Constraints
+    violated", or, when solving its guards pins a dim (a stride-2 stem before position embeddings
+    of a fixed grid, with deferred runtime asserts), "Specializations unexpectedly required"."""
+    return "Constraints violated" in message or "Specializations unexpectedly required" in message
 
 
 def suggested_fixes(message: str) -> list[tuple[str, str]]:

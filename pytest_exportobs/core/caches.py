@@ -27,7 +27,7 @@ def cache_module() -> Any:
 
 
 
-def _filled(layer: Any, key: torch.Tensor, value: torch.Tensor) -> Any:
+def filled(layer: Any, key: torch.Tensor, value: torch.Tensor) -> Any:
     """``layer`` holding ``key``/``value``, as ``lazy_initialization`` + ``update`` leave it."""
     layer.keys, layer.values = key, value
     layer.dtype, layer.device = key.dtype, key.device
@@ -49,14 +49,16 @@ def dynamic_cache(pairs: Sequence[KeyValue], layers: Sequence[Any] | None = None
     cache_utils = cache_module()
     cache = cache_utils.DynamicCache()
     layers = layers if layers is not None else [cache_utils.DynamicLayer() for _ in pairs]
-    cache.layers.extend(_filled(layer, k, v) for layer, (k, v) in zip(layers, pairs, strict=True))
+    cache.layers.extend(filled(layer, k, v) for layer, (k, v) in zip(layers, pairs, strict=True))
     return cache
 
 
-def static_cache(cls: type[C], pairs: Sequence[KeyValue]) -> C:
-    """A ``cls`` (``StaticCache`` or a subclass) holding ``pairs``, already max_cache_len long."""
+def static_cache(cls: type[C], pairs: Sequence[KeyValue], layers: Sequence[Any] | None = None) -> C:
+    """A ``cls`` (``StaticCache`` or a subclass) holding ``pairs`` in new ``StaticLayer``s, already
+    max_cache_len long, or holding the given ``layers``."""
     cache_utils = cache_module()
-    layers = [_filled(cache_utils.StaticLayer(max_cache_len=k.shape[2]), k, v) for k, v in pairs]
+    if layers is None:
+        layers = [filled(cache_utils.StaticLayer(max_cache_len=k.shape[2]), k, v) for k, v in pairs]
     # the constructor transformers 4.57 and 5.x share, and which needs no model config
     cache = cls.__new__(cls)
     cache_utils.Cache.__init__(cache, layers=layers)

@@ -63,9 +63,18 @@ def _logging_streams(writer: io.TextIOWrapper) -> Iterator[None]:
         for h in getattr(logger, "handlers", [])
         if type(h) is logging.StreamHandler
     ]
-    previous = [h.setStream(writer) for h in handlers]
+    previous = [_set_stream(h, writer) for h in handlers]
     try:
         yield
     finally:
         for handler, stream in zip(handlers, previous):
-            handler.setStream(stream)
+            _set_stream(handler, stream)
+
+
+def _set_stream(handler: logging.StreamHandler, stream: io.TextIOBase) -> io.TextIOBase:
+    """``handler.setStream(stream)``, also for a handler whose stream is closed (made while
+    another capture was active: ``setStream`` would flush it and raise); returns the old one."""
+    if getattr(handler.stream, "closed", False):
+        old, handler.stream = handler.stream, stream
+        return old
+    return handler.setStream(stream) or handler.stream

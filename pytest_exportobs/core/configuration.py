@@ -9,6 +9,10 @@ from typing import Any
 # another model (its recorded calls may not run on the first); the rest (epsilons, dropout, output
 # flags, paths) leave the calls valid, and the exported instance's own config decides its graph
 CONTRACT_KEYS = ("problem_type", "is_decoder", "add_cross_attention", "is_encoder_decoder")
+# configuration entries declaring the longest sequence a model takes: a bound torch puts there is
+# the model's domain
+MAXIMUM_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
+                "max_source_positions", "max_target_positions", "max_length")
 
 
 def configuration_text(module: Any) -> str:
@@ -30,3 +34,16 @@ def contract(module: Any) -> str:
         return ""
     get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
     return json.dumps({key: repr(get(key)) for key in CONTRACT_KEYS})
+
+
+def declared_maximum(module: Any, size: int) -> str:
+    """``max_position_embeddings = 128``: the entry of the model's configuration (its text
+    configuration's included) that declares ``size`` the longest sequence it takes; ``""`` if none."""
+    config = getattr(module, "config", None)
+    configs = [config, getattr(config, "text_config", None), getattr(config, "decoder", None)]
+    for found in filter(None, configs):
+        get = found.get if isinstance(found, dict) else lambda key, found=found: getattr(found, key, None)
+        for key in MAXIMUM_KEYS:
+            if get(key) == size:
+                return f"{key} = {size}"
+    return ""

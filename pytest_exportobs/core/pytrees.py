@@ -5,13 +5,15 @@ Inside :func:`register_flattening_functions`, :func:`torch.export.export` and
 
 * ``DynamicCache`` of n layers: 2n tensors ``k0, v0, k1, v1, ...`` (context
   ``["key_0", "value_0", ...]``); none when no layer holds tensors yet (``DynamicCache()``,
-  or the cache ``generate()`` passes at prefill); layers of other classes than
-  ``DynamicLayer`` (``DynamicSlidingWindowLayer``) keep their class and window through a
-  :class:`MixedLayers` context;
+  or the cache ``generate()`` passes at prefill).  Any other layers (sliding-window, indexed,
+  linear-attention and state layers with their ``conv_state_i``/``recurrent_state_i``, hybrids
+  of both, empty layers) are flattened layer by layer, in order, each keeping its class,
+  constructor arguments and fields through a :class:`MixedLayers` context;
 * ``StaticCache`` (and ``SlidingWindowCache``, ``HybridCache`` where they are classes of
   their own): the same layout, each tensor ``max_cache_len`` positions long;
 * ``EncoderDecoderCache``: ``[self_attention_cache, cross_attention_cache]``.
 
+Quantized layers are refused: their tensors belong to their quantization backend.
 Unflattening assigns the tensors to new layers. It must not call ``update`` (hence
 ``lazy_initialization``): tensors created while torch.export traces become lifted
 constants, which the ONNX decomposition then fails to find.
@@ -24,7 +26,7 @@ import functools
 import importlib.util
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,14 +34,19 @@ import torch.utils._pytree as pytree
 
 from ..compat.export_patches import export_patches
 from ..compat.torch_private import deregister_pytree_node
-from .caches import ENCODER_DECODER_FIELDS, KeyValue, cache_module, dynamic_cache, static_cache
+from .caches import ENCODER_DECODER_FIELDS, KeyValue, cache_module, dynamic_cache, filled, static_cache
 
-# the context is a list of names, or a MixedLayers for a DynamicCache of mixed layers
+# the context is a list of names, or a MixedLayers for a cache of other layers than plain ones
 Flatten = Callable[[Any], tuple[list[Any], Any]]
 Unflatten = Callable[[Sequence[Any], Any], Any]
 
-_LAYER_ARGUMENTS = ("sliding_window",)  # constructor arguments a layer keeps as attributes
+# constructor arguments a layer keeps as attributes of the same name
+_LAYER_ARGUMENTS = ("sliding_window", "max_cache_len", "number_of_states")
 _STATIC_CACHE_CLASSES = ("StaticCache", "SlidingWindowCache", "HybridCache")
+# a layer's tensors besides keys and values: (attribute, leaf name, flag set when it holds one)
+_EXTRA_TENSORS = (("indexer_keys", "indexer_key", "is_indexer_initialized"),
+                  ("indexer_position_ids", "indexer_position_ids", None))
+_STATES = (("conv_states", "conv_state"), ("recurrent_states", "recurrent_state"))  # linear attention
 
 _lock = threading.Lock()
 _owned: dict[type, int] = {}  # class registered here -> number of open contexts using it
@@ -49,35 +56,121 @@ _owned: dict[type, int] = {}  # class registered here -> number of open contexts
 
 
 @dataclass(frozen=True)
-class MixedLayers:
-    """Flattening context of a ``DynamicCache`` whose layers are not all ``DynamicLayer``:
-    the names of its tensors and, per layer, its class name and constructor arguments."""
+class LayerLayout:
+    """One cache layer as flattened: its class and constructor arguments, the fields holding its
+    tensors in order (``keys``, ``values``, ``indexer_keys``, ``conv_states.0``,
+    ``recurrent_states.0``...) and, for a linear-attention layer, which states hold a previous
+    step (``has_previous_state``: a decode step reads them, a prefill overwrites them).
 
-    names: tuple[str, ...]
-    layers: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+    The constructor arguments are no part of the structure (equality): a model's windows come
+    from its configuration, and caches built by ``make_dynamic_cache`` without ``cls_kwargs``
+    take the length of their keys as window, which grows from call to call."""
+
+    cls: str
+    arguments: tuple[tuple[str, Any], ...] = field(compare=False)
+    fields: tuple[str, ...]
+    previous: tuple[bool, ...] = ()
 
     @classmethod
-    def of(cls, cache: Any, names: list[str]) -> MixedLayers:
-        return cls(tuple(names), tuple(
-            (type(layer).__name__, tuple((a, getattr(layer, a)) for a in _LAYER_ARGUMENTS if hasattr(layer, a)))
-            for layer in cache.layers
-        ))
+    def of(cls, layer: Any, index: int, owner: str) -> tuple[LayerLayout, list[torch.Tensor], list[str]]:
+        """The layout of ``layer`` (layer ``index`` of a ``owner``), its tensors and their leaf names."""
+        if getattr(layer, "record_past", False):
+            raise TypeError(f"cannot flatten {owner}: layer {index} records past states (assisted decoding)")
+        if hasattr(layer, "_quantized_keys"):
+            raise TypeError(f"cannot flatten {owner}: layer {index} is a {type(layer).__name__}, whose quantized "
+                            "tensors belong to its quantization backend")
+        if isinstance(layer, cache_module().StaticLayer) and getattr(layer, "keys", None) is None:
+            raise TypeError(f"cannot flatten {owner}: layer {index} is empty, a static layer holds its tensors "
+                            "from its first update on")
+        held = _held_tensors(layer, index)
+        states = getattr(layer, "number_of_states", 0)
+        previous = tuple(bool(layer.has_previous_state[s]) for s in range(states))
+        arguments = tuple((a, getattr(layer, a)) for a in _LAYER_ARGUMENTS if isinstance(getattr(layer, a, None), int))
+        layout = cls(type(layer).__name__, arguments, tuple(held_field for held_field, _, _ in held), previous)
+        return layout, [tensor for _, _, tensor in held], [name for _, name, _ in held]
 
-    def new_layers(self) -> list[Any]:
-        return [getattr(cache_module(), name)(**dict(arguments)) for name, arguments in self.layers]
+    def build(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """A new layer of this layout holding ``tensors``, as updating it would have left it."""
+        layer = getattr(cache_module(), self.cls)(**dict(self.arguments))
+        held = dict(zip(self.fields, tensors, strict=True))
+        if "keys" in held:
+            filled(layer, held["keys"], held["values"])
+        for attribute, _, initialized in _EXTRA_TENSORS:
+            if attribute in held:
+                setattr(layer, attribute, held[attribute])
+                if initialized:
+                    setattr(layer, initialized, True)
+        for held_field, tensor in held.items():
+            attribute, _, number = held_field.partition(".")
+            if number:  # a linear-attention state
+                _set_state(layer, attribute, int(number), tensor)
+        for state, previous in enumerate(self.previous):
+            layer.has_previous_state[state] = previous
+        return layer
+
+    @property
+    def plain(self) -> bool:
+        """A filled plain ``DynamicLayer`` or ``StaticLayer``: keys and values, nothing else."""
+        return self.cls in ("DynamicLayer", "StaticLayer") and self.fields == ("keys", "values")
+
+
+@dataclass(frozen=True)
+class MixedLayers:
+    """Flattening context of a cache whose layers are not all filled plain layers (sliding-window,
+    linear-attention or state layers, empty ones): the names of its tensors and each layer's
+    layout."""
+
+    names: tuple[str, ...]
+    layers: tuple[LayerLayout, ...]
+
+    def new_layers(self, leaves: Sequence[torch.Tensor]) -> list[Any]:
+        """The layers, holding ``leaves`` in order."""
+        layers, start = [], 0
+        for layout in self.layers:
+            layers.append(layout.build(leaves[start:start + len(layout.fields)]))
+            start += len(layout.fields)
+        return layers
+
+
+def _held_tensors(layer: Any, index: int) -> list[tuple[str, str, torch.Tensor]]:
+    """``(field, leaf name, tensor)`` of every tensor a cache layer holds, in order: keys and
+    values, an indexer's keys, then each linear-attention state."""
+    held = []
+    if getattr(layer, "keys", None) is not None and getattr(layer, "is_initialized", False):
+        held += [("keys", f"key_{index}", layer.keys), ("values", f"value_{index}", layer.values)]
+    for attribute, name, _ in _EXTRA_TENSORS:
+        if isinstance(getattr(layer, attribute, None), torch.Tensor):
+            held.append((attribute, f"{name}_{index}", getattr(layer, attribute)))
+    for attribute, name in _STATES if getattr(layer, "number_of_states", 0) else ():
+        for state, tensor in getattr(layer, attribute).items():
+            if tensor is not None:
+                held.append((f"{attribute}.{state}", f"{name}_{index}" + (f"_{state}" if state else ""), tensor))
+    return held
+
+
+def _set_state(layer: Any, attribute: str, state: int, tensor: torch.Tensor) -> None:
+    """A linear-attention layer holding ``tensor`` as its state ``state`` of ``attribute``
+    (``conv_states``, ``recurrent_states``), as ``lazy_initialization`` + an update leave it."""
+    getattr(layer, attribute)[state] = tensor
+    getattr(layer, f"is_{attribute}_initialized")[state] = True
+    layer.dtype, layer.device = tensor.dtype, tensor.device
+    if attribute == "conv_states":
+        layer.conv_kernel_size[state] = tensor.shape[-1]
 
 
 def _dumpable(context: list[str] | MixedLayers) -> Any:
     """A flattening context as JSON (a repro saves the input tree)."""
     if isinstance(context, MixedLayers):
-        layers = [[name, [list(a) for a in arguments]] for name, arguments in context.layers]
+        layers = [[layout.cls, [list(a) for a in layout.arguments], list(layout.fields), list(layout.previous)]
+                  for layout in context.layers]
         return {"names": list(context.names), "layers": layers}
     return context
 
 
 def _from_dumpable(dumped: Any) -> list[str] | MixedLayers:
     if isinstance(dumped, dict):
-        layers = tuple((name, tuple(tuple(a) for a in arguments)) for name, arguments in dumped["layers"])
+        layers = tuple(LayerLayout(name, tuple(tuple(a) for a in arguments), tuple(fields), tuple(previous))
+                       for name, arguments, fields, previous in dumped["layers"])
         return MixedLayers(tuple(dumped["names"]), layers)
     return dumped
 
@@ -86,22 +179,19 @@ def _names(context: list[str] | MixedLayers) -> list[str]:
     return list(context.names) if isinstance(context, MixedLayers) else context
 
 
-def _flat_key_values(
-    cache: Any, layer_type: type, subclasses: bool = False
-) -> tuple[list[torch.Tensor], list[str]]:
-    """``k0, v0, k1, ...`` and their names, once checked all layers are filled ``layer_type``
-    (or one of its subclasses when ``subclasses``)."""
-    for i, layer in enumerate(cache.layers):
-        accepted = isinstance(layer, layer_type) if subclasses else type(layer) is layer_type
-        if not accepted or layer.keys is None:
-            what = "empty" if accepted else f"a {type(layer).__name__}"
-            raise TypeError(
-                f"cannot flatten {type(cache).__name__}: layer {i} is {what},"
-                f" only filled {layer_type.__name__} layers are supported"
-            )
-    leaves = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-    names = [f"{kind}_{i}" for i in range(len(cache.layers)) for kind in ("key", "value")]
-    return leaves, names
+def _flatten_layers(cache: Any) -> tuple[list[torch.Tensor], list[str] | MixedLayers]:
+    """Every layer's tensors in order (``k0, v0, k1, v1, ...`` for plain layers), with their names
+    as context when all layers are filled plain ones of one class, else a :class:`MixedLayers`."""
+    owner = type(cache).__name__
+    layouts, leaves, names = [], [], []
+    for index, layer in enumerate(cache.layers):
+        layout, tensors, layer_names = LayerLayout.of(layer, index, owner)
+        layouts.append(layout)
+        leaves += tensors
+        names += layer_names
+    if layouts and all(layout.plain and layout.cls == layouts[0].cls for layout in layouts):
+        return leaves, names
+    return leaves, MixedLayers(tuple(names), tuple(layouts))
 
 
 def _pairs(leaves: Sequence[torch.Tensor]) -> list[KeyValue]:
@@ -110,24 +200,26 @@ def _pairs(leaves: Sequence[torch.Tensor]) -> list[KeyValue]:
 
 def _flatten_dynamic_cache(cache: Any) -> tuple[list[torch.Tensor], list[str] | MixedLayers]:
     layer_type = cache_module().DynamicLayer
-    if all(isinstance(layer, layer_type) and layer.keys is None for layer in cache.layers):
-        return [], []  # nothing cached yet
-    leaves, names = _flat_key_values(cache, layer_type, subclasses=True)
-    if all(type(layer) is layer_type for layer in cache.layers):
-        return leaves, names
-    return leaves, MixedLayers.of(cache, names)
+    if all(type(layer) is layer_type and layer.keys is None for layer in cache.layers):
+        return [], []  # nothing cached yet, in layers a DynamicCache() makes again
+    return _flatten_layers(cache)
 
 
 def _unflatten_dynamic_cache(leaves: Sequence[torch.Tensor], context: list[str] | MixedLayers) -> Any:
-    layers = context.new_layers() if isinstance(context, MixedLayers) else None
-    return dynamic_cache(_pairs(leaves), layers)
+    if isinstance(context, MixedLayers):
+        cache = cache_module().DynamicCache()
+        cache.layers.extend(context.new_layers(leaves))
+        return cache
+    return dynamic_cache(_pairs(leaves))
 
 
-def _flatten_static_cache(cache: Any) -> tuple[list[torch.Tensor], list[str]]:
-    return _flat_key_values(cache, cache_module().StaticLayer)
+def _flatten_static_cache(cache: Any) -> tuple[list[torch.Tensor], list[str] | MixedLayers]:
+    return _flatten_layers(cache)
 
 
-def _unflatten_static_cache(cls: type, leaves: Sequence[torch.Tensor], context: list[str]) -> Any:
+def _unflatten_static_cache(cls: type, leaves: Sequence[torch.Tensor], context: list[str] | MixedLayers) -> Any:
+    if isinstance(context, MixedLayers):
+        return static_cache(cls, [], context.new_layers(leaves))
     return static_cache(cls, _pairs(leaves))
 
 

@@ -23,6 +23,17 @@ def flattening_context() -> contextlib.AbstractContextManager:
     return cache_registration()
 
 
+def on_meta_device(value: Any) -> bool:
+    """Whether a module's parameters or buffers, or a recorded call's inputs (an object with
+    ``args`` and ``kwargs``), hold a tensor on the meta device (shapes, no values)."""
+    if isinstance(value, torch.nn.Module):
+        tensors: list[Any] = [*value.parameters(), *value.buffers()]
+    else:
+        with flattening_context():
+            tensors = _pytree.tree_leaves((value.args, value.kwargs))
+    return any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
+
+
 def detached_clone(tree: Any) -> Any:
     """Deep copy of every tensor of a pytree, detached from autograd."""
     return _pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)

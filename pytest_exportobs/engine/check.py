@@ -18,11 +18,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..compat.export_patches import export_patches
 from ..core.capture import captured_output
 from ..core.paths import model_directory
 from ..core.text import error_line
-from ..core.trees import flattening_context
+from ..core.trees import flattening_context, on_meta_device
 from ..core.versions import package_versions
 from ..core.vocabulary import Kind, Stage, Verdict
 from ..observe.binding import UnsupportedInput
@@ -30,10 +29,10 @@ from ..observe.store import ModelGroup, parameter_shapes
 from ..observe.structures import structure_difference
 from ..shapes.inference import DimPolicy
 from ..shapes.model import ShapeModel
-from . import patches
 from .environment import EnvironmentProblem
 from .graph import GraphCheck, ModelContext
 from .graphs import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
+from .patches import TracingPatches
 from .references import ReferenceFailed, references
 from .result import ModelResult
 from .settings import CheckSettings
@@ -57,6 +56,13 @@ def check_model(
     )
     if not recorder.num_obs():
         _unobserved(result, recorder)
+        return result
+    on_meta = [on_meta_device(o) for o in recorder.observations]
+    if on_meta_device(group.module) or all(on_meta):
+        result.verdict, result.stage = Verdict.SKIPPED, Stage.OBSERVE
+        result.reason = ("its calls ran on the meta device (shapes, no values): nothing to run eagerly, export or "
+                         "compare" if all(on_meta) else "its weights are on the meta device (shapes, no values), moved "
+                         "there after its calls: nothing to export or compare")
         return result
     if group.parameters and parameter_shapes(group.module) != group.parameters:
         result.verdict, result.stage = Verdict.SKIPPED, Stage.OBSERVE
@@ -101,16 +107,16 @@ class _ModelCheck:
     def __init__(self, group: ModelGroup, settings: CheckSettings, result: ModelResult, progress: Progress):
         self.group, self.settings, self.result, self.progress = group, settings, result, progress
         self.options = group.options
+        self.patches = TracingPatches()
 
     def run(self) -> None:
-        paths = (*self.settings.patches, *self.options.patches)
         try:
-            factories = [patches.resolve(path) for path in paths]
+            self.patches = TracingPatches.resolved((*self.settings.patches, *self.options.patches))
         except ValueError as e:  # a patch the user named that cannot be imported
             raise ModelProblem(Stage.INFER, Kind.ERROR, f"ValueError: {e}") from e
         graphs: list[GraphCheck] = []
         unverified: list[str] = []
-        with export_patches(), patches.entered(factories), flattening_context(), _eval_no_grad(self.group.module):
+        with flattening_context(), _eval_no_grad(self.group.module):
             observations = list(self.group.recorder.observations)
             found = self._references(observations)
             self.result.model_notes.extend(found.left_out.values())
@@ -188,7 +194,7 @@ class _ModelCheck:
         return ModelContext(
             group=self.group, settings=self.settings, tolerance=tolerance,
             examples=_first(self.options.examples, self.settings.examples),
-            patches=(*self.settings.patches, *self.options.patches),
+            patches=self.patches,
             model_dir=model_directory(self.settings.export_dir, self.group.name),
             observations=[observations[i] for i in family], references=[found.outputs[i] for i in family],
             quiet=self._quiet, progress=self.progress, ids=list(family),

@@ -103,13 +103,18 @@ def read_dims(
 
 
 def deferred_asserts(program: torch.export.ExportedProgram) -> list[sympy.Basic]:
-    """The conditions the program asserts at run time (``Eq(s75, 2*((s75 - 1)//2) + 2)``)."""
+    """The conditions the program checks at run time: its asserts (``Eq(s75, 2*((s75 - 1)//2) +
+    2)``) and the upper bounds of its sizes (``s75 <= 16``: a position table at the model's
+    declared maximum)."""
     found = []
     for node in program.graph.nodes:
         if node.target is torch.ops.aten._assert_scalar.default and isinstance(node.args[0], torch.fx.Node):
             value = node.args[0].meta.get("val")
             if isinstance(value, torch.SymBool):
                 found.append(value.node.expr)
+    for symbol, bound in program.range_constraints.items():
+        if isinstance(symbol, sympy.Symbol) and math.isfinite(float(bound.upper)):
+            found.append(sympy.Le(symbol, int(bound.upper)))
     return found
 
 

@@ -27,8 +27,10 @@ from ..compat.torch_private import (
     import_export_machinery,
     onnx_registry,
     prepare_for_onnx,
+    register_translations,
     rename_onnx_axes,
     to_onnx_program,
+    unchecked_module,
 )
 from ..compat.torch_text import translated_op
 from ..core.text import error_line
@@ -51,13 +53,14 @@ from .domain import (
 )
 from .environment import EnvironmentProblem, writing
 from .examples import example_to_trace, other_examples
+from .patches import NO_PATCHES, TracingPatches
 from .probe import SizeProbe
 from .reasons import one_line_reason
 from .result import ExportFiles
-from .tracing import Example, Specialized, Traced, trace
+from .tracing import Capture, Example, Specialized, Traced, trace
+from .translations import custom_translations
 from .verify import Tolerance, compare
 
-_ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten._assert_async.msg)
 MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
 
 @dataclass
@@ -118,11 +121,13 @@ class Stages:
 def export_model(
     module: torch.nn.Module, shapes: ShapeModel, target: str, onnx_path: Path,
     cache: ExportCache | None = None, method: str = "forward", probe: SizeProbe | None = None,
+    patches: TracingPatches = NO_PATCHES,
 ) -> ExportOutcome:
-    """Export ``module.<method>`` called on ``shapes``' example inputs with its dynamic dimensions;
-    ``target`` ``onnx`` translates and writes ``onnx_path``, ``torch`` stops after torch.export.
-    The shape model is refined with what torch proved (equal dims, multiples of 2...);
-    The ``probe`` runs eager at sizes torch's bounds exclude (``None``: bounds are not checked)."""
+    """Export ``module.<method>`` called on ``shapes``' example inputs with its dynamic dimensions,
+    torch.export running under ``patches``; ``target`` ``onnx`` translates and writes
+    ``onnx_path``, ``torch`` stops after torch.export.  The shape model is refined with what torch
+    proved (equal dims, multiples of 2...).  The ``probe`` runs eager at sizes torch's bounds
+    exclude (``None``: bounds are not checked)."""
     outcome = ExportOutcome(ok=True, stage=Stage.TORCH_EXPORT, shapes=shapes)
     stages = Stages(outcome)
     exported = bind_constants(module, method, shapes.aligned)
@@ -135,7 +140,7 @@ def export_model(
             return outcome
     try:
         with stages.run(Stage.TORCH_EXPORT):
-            traced = _trace(exported, shapes, outcome, probe)
+            traced = _trace(exported, shapes, outcome, probe, patches)
         program, outcome.dims_form, shapes = traced.program, traced.form, traced.shapes
         outcome.program = program
         outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
@@ -165,6 +170,30 @@ def _store_cached(cache: ExportCache, key: str, onnx_path: Path, outcome: Export
 
 def _trace(
     module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, probe: SizeProbe | None,
+    patches: TracingPatches,
+) -> Traced:
+    """:func:`_trace_pinned` captured non-strict; when that fails with an error (not a dim torch
+    pins), captured strict, as torch.onnx.export falls back to: TorchDynamo takes some Python
+    the non-strict capture cannot (``int(lengths.max().item())``), and the graph is verified as
+    any other.  The non-strict error stands when the strict capture fails too."""
+    try:
+        return _trace_pinned(module, shapes, outcome, probe, Capture(patches))
+    except (Specialized, EnvironmentProblem):
+        raise
+    except Exception as error:
+        notes = list(outcome.notes)
+        try:
+            traced = _trace_pinned(module, outcome.shapes, outcome, probe, Capture(patches, strict=True))
+        except Exception:
+            outcome.notes[:] = notes
+            raise error from None
+        outcome.notes.append(f"captured by torch.export(strict=True), torch.onnx.export's fallback: the non-strict "
+                             f"capture failed ({error_line(error)})")
+        return traced
+
+
+def _trace_pinned(
+    module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, probe: SizeProbe | None, capture: Capture,
 ) -> Traced:
     """:func:`~.tracing.trace` on the example; when torch pins a dim at the size the example
     happens to have (a size the model treats specially: DINOv2 skips its position interpolation
@@ -173,7 +202,7 @@ def _trace(
     made on the way, a failure's included."""
     assert outcome.example is not None
     try:
-        return trace(module, shapes, outcome.example, not outcome.bound, outcome.notes, probe)
+        return trace(module, shapes, outcome.example, not outcome.bound, outcome.notes, probe, capture)
     except Specialized as pinned:
         outcome.shapes = shapes = pinned.shapes
         if not pinned.retrace:
@@ -181,7 +210,7 @@ def _trace(
         for what, leaves in other_examples(shapes, outcome.example, pinned.name, probe):
             example = Example.of(shapes, leaves, constants=not outcome.bound)
             try:
-                found = trace(module, shapes, example, not outcome.bound, outcome.notes, probe)
+                found = trace(module, shapes, example, not outcome.bound, outcome.notes, probe, capture)
             except Specialized as again:
                 outcome.shapes = shapes = again.shapes
                 continue
@@ -196,11 +225,7 @@ def _trace(
 def _reproduces(program: torch.export.ExportedProgram, module: torch.nn.Module, example: Example) -> bool:
     """Whether a program traced elsewhere gives eager's outputs on ``example`` (the pinned size),
     run as the ONNX graph will run it: without the runtime asserts of the branch it took."""
-    graph_module = program.module()
-    for node in list(graph_module.graph.nodes):
-        if node.op == "call_function" and node.target in _ASSERTS and not node.users:
-            graph_module.graph.erase_node(node)
-    graph_module.recompile()
+    graph_module = unchecked_module(program)
     args, kwargs = detached_clone((example.args, example.kwargs))
     try:
         with torch.no_grad():
@@ -252,6 +277,7 @@ def _save_program(program: torch.export.ExportedProgram, path: Path, outcome: Ex
 
 
 def _to_onnx(stages: Stages, program: Any, names: dict[str, str], path: Path, outcome: ExportOutcome) -> None:
+    register_translations(custom_translations())
     with stages.run(Stage.DECOMPOSE):
         program = _decompose(program, outcome.notes)
     with stages.run(Stage.ONNX_TRANSLATE):

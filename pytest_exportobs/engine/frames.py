@@ -1,5 +1,6 @@
-"""Where in the user's code something happened: the innermost frame outside torch, installed
-packages, logging and this package, as ``file:line: code``."""
+"""Where in the model's code something happened, as ``file:line: code``: the user's code (outside
+torch, installed packages, logging and this package), or an installed package's where the model
+is one (a transformers model's own line)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ import torch
 
 from ..compat.torch_text import quoted_frames, raising_call
 
-_NOT_USER_DIRS = (
-    *(str(Path(inspect.getfile(m)).parent) for m in (torch, logging)), str(Path(__file__).parents[1]), "<"
-)
+_PACKAGE_DIR = str(Path(__file__).parents[1])
+_NOT_USER_DIRS = (*(str(Path(inspect.getfile(m)).parent) for m in (torch, logging)), _PACKAGE_DIR, "<")
 
 
 def is_user_file(filename: str) -> bool:
@@ -25,12 +25,18 @@ def is_user_file(filename: str) -> bool:
 
 
 def user_location() -> str:
-    """The innermost user frame of the current stack (frames walked by hand: formatting the
-    whole stack per guard torch records would be slow); ``""`` if none."""
+    """The innermost frame of the model's code on the current stack: the user's or an installed
+    package's (a transformers model's own line), never torch's, logging's or ours; ``""`` when
+    the walk reaches this package first (torch guarded on its own, outside the model).  Frames
+    are walked by hand: formatting the whole stack per guard torch records would be slow."""
     frame = inspect.currentframe()
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # the caller's own frames (a logging handler of this package)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if is_user_file(filename):
+        if filename.startswith(_PACKAGE_DIR):
+            return ""
+        if _is_model_file(filename):
             return _location(filename, frame.f_lineno, linecache.getline(filename, frame.f_lineno))
         frame = frame.f_back
     return ""
@@ -57,6 +63,16 @@ def user_frame(error: BaseException) -> str:
         return _location(*quoted[-1], "")
     installed = [f for f in frames if _is_model_file(f.filename)]  # a transformers model's own line
     return _frame_location(installed[-1]) if installed else ""
+
+
+def quoted_model_line(text: str) -> str:
+    """The innermost frame of the model's code a traceback text quotes (``File "...", line N``,
+    innermost last: an FX node's stack trace), the line's code read from the file; ``""`` if none."""
+    quoted = [(path, line) for path, line in quoted_frames(text) if _is_model_file(path)]
+    if not quoted:
+        return ""
+    path, line = quoted[-1]
+    return _location(path, line, linecache.getline(path, line))
 
 
 def _is_model_file(filename: str) -> bool:

@@ -7,6 +7,7 @@ a graph of their own, they do not fail this one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -17,23 +18,26 @@ from typing import Any, TypeVar
 import torch
 
 from ..core.text import error_line
-from ..core.trees import flat_outputs
-from ..core.vocabulary import Kind, Stage, Verdict
+from ..core.trees import detached_clone, flat_outputs
+from ..core.vocabulary import DimSource, Kind, Stage, Verdict
 from ..observe.recorder import Observation
 from ..observe.store import ModelGroup
 from ..shapes.model import ShapeModel
+from ..shapes.synthesis import export_sizes
 from .cache import ExportCache
 from .domain import conditions
-from .eager import call_model
+from .eager import ModelRaised, call_model
 from .environment import writing
 from .export import ExportOutcome, export_model
 from .graphs import GraphPlan
+from .origins import failure_line
+from .patches import TracingPatches
 from .probe import SizeProbe, probe_unvaried_dims
 from .references import refreshed, reproduction
 from .repro import write_repro
 from .result import GraphResult
 from .settings import CheckSettings
-from .variations import explore
+from .variations import VariationOutcome, explore
 from .verify import (
     Discrepancy,
     NativeCrash,
@@ -41,6 +45,7 @@ from .verify import (
     OutputLayout,
     RuntimeGap,
     Tolerance,
+    compare,
     probe_load,
     program_runner,
     verify_calls,
@@ -60,7 +65,7 @@ class ModelContext:
     settings: CheckSettings
     tolerance: Tolerance
     examples: int
-    patches: tuple[str, ...]
+    patches: TracingPatches
     model_dir: Path
     observations: list[Observation]
     references: list[list[Any]]
@@ -103,22 +108,46 @@ class GraphCheck:
     def run(self) -> GraphResult:
         context, result = self.context, self.result
         self.shapes = probe_unvaried_dims(self.shapes, context.eager(self.shapes), result.notes)
-        outcome = self._export()
-        if not outcome.ok:
-            return result
-        runner = self._runner(outcome)
-        if runner is None:
-            return result
-        self.runner = runner
-        self.layout = OutputLayout.of(outcome.outputs, self.shapes.aligned.leaf_names)
-        if not self._verify(runner):
-            return result
-        if context.examples:
-            self._variations(runner)
-            if result.kind:
+        while True:
+            outcome = self._export()
+            if not outcome.ok:
                 return result
-        result.verdict = Verdict.PASSED
-        return result
+            runner = self._runner(outcome)
+            if runner is None:
+                return result
+            self.runner = runner
+            self.layout = OutputLayout.of(outcome.outputs, self.shapes.aligned.leaf_names)
+            if not self._verify(runner):
+                return result
+            if context.examples:
+                variation = self._variations(runner)
+                if variation.failed and self._guesses_kept_static(variation, outcome.onnx_path):
+                    continue  # exported again without them
+                if result.kind:
+                    return result
+            result.verdict = Verdict.PASSED
+            return result
+
+    def _guesses_kept_static(self, variation: VariationOutcome, onnx_path: str) -> bool:
+        """A failing variation whose sizes leave the traced ones on guessed dims (axes of generic
+        inputs the tests never varied, an image's sides): the graph serves the traced size only (a
+        branch on the size traced once), those dims are kept static with a note naming the
+        failing node's line, and the failure is withdrawn for another export."""
+        assert variation.failing_sizes is not None
+        traced = export_sizes(self.shapes)
+        guessed = [v.name for v in self.shapes.variables if v.source == DimSource.GUESS
+                   and variation.failing_sizes.get(v.name, traced.get(v.name)) != traced.get(v.name)]
+        if not guessed:
+            return False
+        line = failure_line(onnx_path, variation.detail)
+        sizes = ", ".join(f"{name}={variation.failing_sizes[name]}" for name in guessed)
+        self.result.notes.append(
+            f"{', '.join(guessed)} kept static: the tests never varied them and the graph fails at {sizes} "
+            f"({f'in {line}' if line else variation.detail}), where eager runs")
+        for name in guessed:
+            self.shapes = self.shapes.without(name)
+        self.result.kind, self.result.reason, self.result.repro_path = "", "", ""
+        return True
 
     def serves(self, shapes: ShapeModel, calls: list[int]) -> bool:
         """Whether this graph reproduces the given calls of another plan (``shapes``: this
@@ -141,14 +170,15 @@ class GraphCheck:
         context, result = self.context, self.result
         context.progress(Stage.TORCH_EXPORT, self.plan.name)
         settings = context.settings
-        cache = ExportCache(settings.export_dir / "cache", context.patches) if settings.use_cache else None
+        cache = ExportCache(settings.export_dir / "cache", context.patches.paths) if settings.use_cache else None
         probe = SizeProbe(self.shapes, context.eager(self.shapes, flat=False))
         outcome = context.quiet(lambda: export_model(
             context.module, self.shapes, context.settings.target, self.directory / "model.onnx", cache,
-            method=context.method, probe=probe,
+            method=context.method, probe=probe, patches=context.patches,
         ))
-        result.timings.update(outcome.timings)
-        result.notes.extend(outcome.notes)
+        for stage, seconds in outcome.timings.items():  # summed over the exports of this graph
+            result.timings[stage] = result.timings.get(stage, 0.0) + seconds
+        result.notes.extend(note for note in outcome.notes if note not in result.notes)
         self.shapes = outcome.shapes  # as the export refined it
         self.asserted = conditions(outcome.refinements)
         summary = self.shapes.to_json()
@@ -231,9 +261,32 @@ class GraphCheck:
         result.kind = worst.kind
         call = context.ids[self.plan.calls[worst.index]]
         result.reason = f"call {call} from {source}: {worst.detail or worst.kind}" + (
-            f", max |Δ| {worst.max_abs:.3g}" if worst.kind == "mismatch" else "")
+            f", max |Δ| {worst.max_abs:.3g}" if worst.kind == Kind.MISMATCH else "")
+        if worst.kind == Kind.MISMATCH:
+            result.reason += self._patch_behind(leaves[worst.index], references[worst.index])
         self._repro(leaves[worst.index])
         return False
+
+    def _patch_behind(self, leaves: list[Any], expected: list[Any]) -> str:
+        """``": the export patch <name> changes ..."`` when eager, run on ``leaves`` under one of
+        the patches torch.export traced with, no longer gives ``expected`` (eager as the tests ran
+        it): the graph follows the patched model, not the tests' one; ``""`` otherwise."""
+        context = self.context
+        eager = context.eager(self.shapes)
+
+        def differs(patched: contextlib.AbstractContextManager[None]) -> bool:
+            with patched:
+                try:
+                    outputs = eager(detached_clone(leaves))
+                except ModelRaised:
+                    return True
+            return not compare(outputs, expected, context.tolerance).ok
+
+        patch = context.quiet(lambda: context.patches.changing(differs))
+        if not patch:
+            return ""
+        return (f": the export patch {patch} changes what the model computes here (eager under it differs from "
+                "eager as the tests ran it), and the graph, traced under it, follows the patched model")
 
     def _note_padded(self, found: list[Discrepancy]) -> None:
         padded = [d for d in found if d.n_padded]
@@ -264,8 +317,9 @@ class GraphCheck:
             result.notes.append(f"references {fresh.origin}")
         return found
 
-    def _variations(self, runner: GraphRunner) -> None:
-        """Generated shapes: a failure is kind ``variation`` with the smallest failing sizes."""
+    def _variations(self, runner: GraphRunner) -> VariationOutcome:
+        """Generated shapes: a failure is kind ``variation`` with the failing sizes nearest the
+        traced ones."""
         context, result = self.context, self.result
         context.progress(Stage.VARIATIONS, self.plan.name)
         result.stage = Stage.VARIATIONS
@@ -291,8 +345,13 @@ class GraphCheck:
             assert variation.failing_sizes is not None and variation.failing_leaves is not None
             result.kind = Kind.VARIATION
             sizes = ", ".join(f"{k}={v}" for k, v in variation.failing_sizes.items())
-            result.reason = f"fails at {sizes}: {variation.detail}"
+            line = failure_line(result.onnx_path, variation.detail)
+            result.reason = f"fails at {sizes}{f' in {line}' if line else ''}: {variation.detail}"
+            if variation.max_abs is not None:  # a mismatch, not an error of the graph
+                leaves = variation.failing_leaves
+                result.reason += self._patch_behind(leaves, context.eager(self.shapes)(detached_clone(leaves)))
             self._repro(variation.failing_leaves)
+        return variation
 
     def _repro(self, leaves: list[Any]) -> None:
         """Write the self-contained repro of a failure; a failure to write it is only a note."""

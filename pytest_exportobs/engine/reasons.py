@@ -9,8 +9,8 @@ from .frames import user_frame
 
 # What a failure mentions -> the known way around it.
 HINTS = {
-    "grouped_mm": 'transformers\' default MoE experts ("grouped_mm") do not translate: build the model with '
-                  'experts_implementation="batched_mm" in its config',
+    "grouped_mm": 'transformers\' MoE experts ("grouped_mm") translate with a static number of experts and no '
+                  'out_dtype: else build the model with experts_implementation="batched_mm" in its config',
     "flash_attn": 'flash attention does not export: build the model with attn_implementation="sdpa" (or "eager")',
     "flex_attention": 'flex attention does not export: build the model with attn_implementation="sdpa" (or "eager")',
 }

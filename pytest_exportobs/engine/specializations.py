@@ -59,18 +59,22 @@ class SpecializationLog(logging.Handler):
         return next((line for guard, line in self.guards.get(symbol, []) if "<" in guard or ">" in guard), "")
 
     def location_of(self, value: int, input_names: list[str]) -> str:
-        """The user line that made a size of one of ``input_names`` the constant ``value``: of
-        the replacement torch made, else of a guard pinning one of their sizes to it."""
+        """The model's line that made a size of one of ``input_names`` the constant ``value``: of
+        the replacement torch made, else of a guard pinning one of their sizes to it, else of the
+        first equality guard on one of their sizes."""
         matching = [s for s in self.found if s.value == value and s.location]
         named = [s for s in matching if any(f"['{name}']" in s.source for name in input_names)]
         if named or matching:
             return (named or matching)[0].location
-        pinned = [
-            line for symbol, guards in self.guards.items()
-            if any(f"['{name}']" in self.sources.get(symbol, "") for name in input_names)
-            for guard, line in guards if _mentions(guard, str(value))
+        guards = [
+            (guard, line) for symbol, guards in self.guards.items()
+            if any(f"['{name}']" in self.sources.get(symbol, "") for name in input_names) for guard, line in guards
         ]
-        return pinned[0] if pinned else ""
+        pinned = [line for guard, line in guards if _mentions(guard, str(value))]
+        # torch's solver may pin a size no guard names (EfficientViT-M's windows of a fixed grid):
+        # the first equality on it is the line that tied it to the others
+        equalities = [line for guard, line in guards if guard.startswith("Eq(")]
+        return (pinned or equalities or [""])[0]
 
 
 @contextmanager

@@ -19,15 +19,26 @@ from typing import Any
 
 import torch
 
-from ..compat.torch_private import DEFERRED_ASSERTS, ExportUserError, rnn_while_loops, size_oblivious
+from ..compat.torch_private import (
+    DEFERRED_ASSERTS,
+    ExportUserError,
+    rnn_while_loops,
+    size_oblivious,
+    unchecked_module,
+)
 from ..compat.torch_text import pinned_sizes, rejects_dims, suggested_fixes
+from ..core.configuration import declared_maximum
 from ..core.text import error_line, first_line
+from ..core.trees import detached_clone, flat_outputs
 from ..core.vocabulary import DimSource, RefinementKind
 from ..shapes.model import ShapeModel
 from ..shapes.spec import spec_api, to_shapes_spec
+from .bound import BoundConstants
 from .domain import Refinement, apply_refinements, program_shapes, static_axes, upper_bounds
-from .probe import SizeProbe
+from .patches import NO_PATCHES, TracingPatches
+from .probe import SizeProbe, leaves_at
 from .specializations import SpecializationLog, logged_specializations
+from .verify import Tolerance, compare
 
 MAX_ATTEMPTS = 4  # exports tried with refined dims before giving up on named dims
 SPEC_NOTE = "dims as a torch ShapesSpec"
@@ -78,29 +89,48 @@ class Traced:
     splits: list[Refinement]
 
 
+@dataclass(frozen=True)
+class Capture:
+    """How torch.export captures a model: under the export ``patches``, non-strict (what
+    torch.onnx.export tries first) or ``strict`` (its fallback, TorchDynamo capturing the model's
+    Python: ``int(lengths.max().item())`` becomes an unbacked size there)."""
+
+    patches: TracingPatches = NO_PATCHES
+    strict: bool = False
+
+    def export(self, module: torch.nn.Module, example: Example, dynamic_shapes: Any,
+               **options: Any) -> torch.export.ExportedProgram:
+        with self.patches.tracing():
+            return torch.export.export(module, example.args, example.kwargs, dynamic_shapes=dynamic_shapes,
+                                       strict=self.strict, **options)
+
+
+NON_STRICT = Capture()
+
+
 def trace(
     module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, notes: list[str],
-    probe: SizeProbe | None,
+    probe: SizeProbe | None, capture: Capture = NON_STRICT,
 ) -> Traced:
     """``torch.export.export`` of ``module`` on the example with the shape model's named dims,
     refined with torch's suggested fixes, captured as ``torch.onnx.export`` captures (see
-    :func:`capturing`).  A dim the program still has as a constant is checked like a suggested
-    constant; a demanded dim torch bounds above is a :class:`Specialized` failure when the
-    ``probe`` finds eager reaching a size past the bound, or exported again split where the
-    model's own next step holds some of its axes at the bound.  Raises :class:`Specialized`, or
-    torch's error."""
+    :func:`capturing`), as ``capture`` says (under the export patches; the probe's eager runs are
+    not).  A dim the program still has as a constant is checked like a suggested constant; a
+    demanded dim torch bounds above is a :class:`Specialized` failure when the ``probe`` finds
+    eager reaching a size past the bound, or exported again split where the model's own next step
+    holds some of its axes at the bound.  Raises :class:`Specialized`, or torch's error."""
     splits: list[Refinement] = []
     with capturing(), logged_specializations() as specializations:
         while True:
-            program = _spec_export(module, shapes, example, constants, notes) if spec_api() is not None else None
+            program = _spec_export(module, shapes, example, constants, notes, capture) if spec_api() else None
             form = "Dim" if program is None else "ShapesSpec"
             if program is None:
-                program, shapes = _export(module, shapes, example, constants, specializations, notes)
+                program, shapes = _export(module, shapes, example, constants, specializations, notes, capture)
             read = program_shapes(program)
             for axis in static_axes(shapes, example.inputs, read):
                 shapes = _keep_static(shapes, {axis.variable.name: axis.value}, specializations, notes)
             probe = replace(probe, shapes=shapes) if probe is not None else None
-            split = _check_bounds(shapes, program, example, probe, specializations)
+            split = _check_bounds(module, shapes, program, example, constants, probe, specializations, notes)
             if split is None:
                 return Traced(program, form, shapes, splits)
             splits.append(split)
@@ -110,13 +140,14 @@ def trace(
 
 def _spec_export(
     module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, notes: list[str],
+    capture: Capture,
 ) -> torch.export.ExportedProgram | None:
     """Export with the shape model as a ``ShapesSpec`` (torch >= 2.14): relations become checks
     of the exported program.  ``None``, with a note, when torch cannot (a branch on a size of an
     unbacked dim, a nest the spec cannot address): the named dims are tried then."""
     try:
         spec = to_shapes_spec(shapes, constants)
-        program = torch.export.export(module, example.args, example.kwargs, dynamic_shapes=spec)
+        program = capture.export(module, example, spec)
     except Exception as e:  # whatever the spec path meets, the named dims remain
         notes.append(f"dims as named torch.export.Dim: the ShapesSpec export failed ({error_line(e)})")
         return None
@@ -126,14 +157,14 @@ def _spec_export(
 
 def _export(
     module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, specializations: SpecializationLog,
-    notes: list[str],
+    notes: list[str], capture: Capture,
 ) -> tuple[torch.export.ExportedProgram, ShapeModel]:
     """Named dims, refined until torch accepts them; else ``Dim.DYNAMIC`` and torch's ranges.
     Returns the program and the shape model without the guessed dims torch made constant."""
     named: tuple[Any, ...] | dict[str, Any] | list[Any] = shapes.to_dynamic_shapes(named=True, constants=constants)
     for _ in range(MAX_ATTEMPTS):
         try:
-            return _torch_export(module, example, named), shapes
+            return _torch_export(module, example, named, capture), shapes
         except ExportUserError as e:
             if not rejects_dims(str(e)):
                 raise
@@ -144,7 +175,7 @@ def _export(
             try:
                 shapes = _keep_static(shapes, specialized, specializations, notes)
             except Specialized as pinned:
-                return _unnamed_export(module, pinned.shapes, example, constants, pinned, notes), pinned.shapes
+                return _unnamed_export(module, pinned.shapes, example, constants, pinned, notes, capture), pinned.shapes
             named = shapes.to_dynamic_shapes(named=True, constants=constants)
             continue
         try:
@@ -156,29 +187,55 @@ def _export(
         f"torch.export rejected the named dims ({first_line(str(rejection))}): exported with "
         "Dim.DYNAMIC dims, torch deriving their ranges"
     )
-    return _torch_export(module, example, shapes.to_dynamic_shapes(constants=constants)), shapes
+    return _torch_export(module, example, shapes.to_dynamic_shapes(constants=constants), capture), shapes
 
 
 def _unnamed_export(
     module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, pinned: Specialized,
-    notes: list[str],
+    notes: list[str], capture: Capture,
 ) -> torch.export.ExportedProgram:
     """``Dim.DYNAMIC`` dims when torch pins a demanded named dim: named dims make torch solve its
     guards for one value (a conv stack's ``(w // 16 - 6) == 244``) where unnamed ones keep a range.
-    The pin stands when that export fails too (:func:`trace` still checks what the program keeps)."""
+    The pin stands when that export fails too, or when its graph does not serve a recorded call
+    (DINOv2 traced at its configured image size leaves its position interpolation out, asserting
+    ``(height//8)**2 == 16``): tracing on another recorded size is tried then (:func:`trace` still
+    checks what the program keeps)."""
     try:
-        program = _torch_export(module, example, shapes.to_dynamic_shapes(constants=constants))
+        program = _torch_export(module, example, shapes.to_dynamic_shapes(constants=constants), capture)
     except Exception:  # torch's own error on the unnamed dims: the pin named dims gave is the reason
         raise pinned from None
+    if not _serves_recorded_calls(program, module, shapes, constants):
+        raise pinned
     notes.append(f"exported with Dim.DYNAMIC dims: with named dims, {pinned.name} was {pinned.what}")
     return program
 
 
-def _torch_export(module: torch.nn.Module, example: Example, dynamic_shapes: Any) -> torch.export.ExportedProgram:
+def _serves_recorded_calls(
+    program: torch.export.ExportedProgram, module: torch.nn.Module, shapes: ShapeModel, constants: bool,
+) -> bool:
+    """Whether the program, run as its ONNX graph runs (no runtime assert: some are spurious, a
+    conv stack's ``Eq(length//16, 500)``), gives eager's outputs on every recorded call."""
+    graph = unchecked_module(program)
+    for index in range(shapes.aligned.n_calls):
+        call = Example.of(shapes, shapes.call_leaves(index), constants)
+        try:
+            with torch.no_grad():
+                expected = flat_outputs(module(*detached_clone(call.args), **detached_clone(call.kwargs)))
+                actual = flat_outputs(graph(*detached_clone(call.args), **detached_clone(call.kwargs)))
+        except Exception:  # the graph fails on the call (eager ran it when the tests did)
+            return False
+        if not compare(actual, expected, Tolerance()).ok:
+            return False
+    return True
+
+
+def _torch_export(
+    module: torch.nn.Module, example: Example, dynamic_shapes: Any, capture: Capture,
+) -> torch.export.ExportedProgram:
     """torch.export as torch.onnx.export calls it: guards that can wait become runtime asserts
     (a GRU's ``seq != 1`` does not stop its sequence from being dynamic)."""
     options: dict[str, Any] = {"prefer_deferred_runtime_asserts_over_guards": True} if DEFERRED_ASSERTS else {}
-    return torch.export.export(module, example.args, example.kwargs, dynamic_shapes=dynamic_shapes, **options)
+    return capture.export(module, example, dynamic_shapes, **options)
 
 
 @contextlib.contextmanager
@@ -191,13 +248,20 @@ def capturing() -> Iterator[None]:
 
 
 def _check_bounds(
-    shapes: ShapeModel, program: torch.export.ExportedProgram, example: Example, probe: SizeProbe | None,
-    specializations: SpecializationLog,
+    module: torch.nn.Module, shapes: ShapeModel, program: torch.export.ExportedProgram, example: Example,
+    constants: bool, probe: SizeProbe | None, specializations: SpecializationLog, notes: list[str],
 ) -> Refinement | None:
-    """:func:`_check_bound` on every demanded dim the program bounds; the first split one calls for."""
+    """:func:`_check_bound` on every demanded dim the program bounds; the first split one calls
+    for.  A bound at the maximum the model's configuration declares (``max_position_embeddings``)
+    is the model's domain: a note."""
     read = program_shapes(program)
     for name, symbol, upper in upper_bounds(shapes, example.inputs, read, program.range_constraints):
-        split = _check_bound(shapes, name, upper, probe, specializations.bound_location(symbol))
+        location = specializations.bound_location(symbol)
+        if declared := declared_maximum(module.module if isinstance(module, BoundConstants) else module, upper):
+            where = f" (at {location})" if location else ""
+            notes.append(f"torch.export bounds {name} to at most {upper}, the model's declared {declared}{where}")
+            continue
+        split = _check_bound(shapes, name, upper, probe, location, program, constants, notes)
         if split is not None:
             return split
     return None
@@ -205,13 +269,17 @@ def _check_bounds(
 
 def _check_bound(
     shapes: ShapeModel, name: str, upper: int, probe: SizeProbe | None, location: str,
+    program: torch.export.ExportedProgram, constants: bool, notes: list[str],
 ) -> Refinement | None:
     """A demanded dim torch bounds where the model goes on (eager runs the next size, or the
-    model's own next step reaches past it) is :class:`Specialized`: the graph cannot serve what
-    the model does.  A bound eager cannot pass is the model's limit (``seq <= 128`` of its
-    position table, the length of a static cache).  When the step past the bound holds some of
-    the dim's axes at it (a sliding window's layers, the full ones going on), those axes need a
-    length of their own: the split is returned, and the dim is exported again."""
+    model's own next step reaches past it) is :class:`Specialized` when the graph, without
+    torch's runtime assert, does not give eager's outputs there: it cannot serve what the model
+    does.  A graph that does (a layout-only branch on the size, ``if x.shape[0] >= 64:
+    x = x.contiguous()``) keeps the dim, with a note.  A bound eager cannot
+    pass is the model's limit (``seq <= 128`` of its position table, the length of a static
+    cache).  When the step past the bound holds some of the dim's axes at it (a sliding window's
+    layers, the full ones going on), those axes need a length of their own: the split is
+    returned, and the dim is exported again."""
     if any(w.derived == name and w.limit == upper for w in shapes.windows):
         return None  # the sliding window split off: the model's own states hold it there
     reached = probe.reaches(name, upper + 1) if probe is not None else None
@@ -219,7 +287,27 @@ def _check_bound(
         return None
     if reached.held:
         return Refinement(RefinementKind.SPLIT, name, upper, reached.held)
+    assert probe is not None  # it reached past the bound
+    if probe.accepts(name, upper + 1) and _serves(program, probe, name, upper + 1, constants):
+        where = f" (at {location})" if location else ""
+        notes.append(f"torch.export bounds {name} to at most {upper} where the model takes another branch{where}; "
+                     f"the graph, without torch's assert, serves {name}={upper + 1} as eager does")
+        return None
     raise Specialized(shapes, name, f"bounded to at most {upper} ({reached.how})", location, retrace=False)
+
+
+def _serves(program: torch.export.ExportedProgram, probe: SizeProbe, name: str, size: int, constants: bool) -> bool:
+    """Whether the program, without its runtime asserts (as the ONNX graph runs), gives eager's
+    outputs on the probe's inputs at ``name`` = ``size``."""
+    leaves = leaves_at(probe.shapes, {name: size})
+    call = Example.of(probe.shapes, leaves, constants)
+    try:
+        with torch.no_grad():
+            expected = flat_outputs(probe.eager(detached_clone(leaves)))
+            actual = flat_outputs(unchecked_module(program)(*call.args, **call.kwargs))
+    except Exception:  # the graph fails there
+        return False
+    return compare(actual, expected, Tolerance()).ok
 
 
 def _keep_static(

@@ -9,9 +9,11 @@ positions, unless eager rejects the ignore index (then the example runs with the
 When eager rejects the synthesized inputs of an example that sizes batches only, the example
 runs with a recorded call's rows repeated to those sizes (synthesized token ids lack what ties
 them to other inputs, as a multimodal model's image tokens to its pixel values).
-Hypothesis shrinks a failure to its smallest sizes.  When none of its examples fails, the largest
-one (every free size at its high) runs too: a graph that serves only the sizes it was traced at
-fails there whatever hypothesis drew.
+Sizes are drawn as offsets from the sizes the graph was traced at, so that hypothesis shrinks a
+failure to the sizes nearest them: a size that plays no part in the failure goes back to its
+traced value, and the sizes left apart from it are the ones the graph cannot serve.  When none
+of its examples fails, the largest one (every free size at its high) runs too: a graph that
+serves only the sizes it was traced at fails there whatever hypothesis drew.
 
 Randomness: with ``seed`` or under ``CI=true`` the examples are derandomized (same examples
 every run; hypothesis then disables its database, as it does for ``@seed`` and
@@ -42,6 +44,7 @@ from ..shapes.synthesis import (
     Recipe,
     build_leaves,
     complete_sizes,
+    export_sizes,
     free_variables,
     ignore_padded_labels,
     leaf_shapes,
@@ -140,8 +143,9 @@ def explore(
     trials = _Trials(eager, run, shapes, tolerance, recipes(shapes, pad_token_id), outputs, list(asserted))
     if not ranges or examples <= 0:
         return trials.outcome(None)
+    traced = export_sizes(shapes)
     strategy = strategies.fixed_dictionaries(
-        {name: strategies.integers(low, high) for name, (low, high) in ranges.items()}
+        {name: _near(traced.get(name, low), low, high) for name, (low, high) in ranges.items()}
     )
     try:
         with _hypothesis_home(database_dir):
@@ -254,6 +258,16 @@ class _Trials:
             outcome.max_abs = worst.max_abs if math.isfinite(worst.max_abs) else None
             outcome.detail = worst.detail or worst.kind
         return outcome
+
+
+def _near(anchor: int, low: int, high: int) -> hypothesis.strategies.SearchStrategy[int]:
+    """Sizes in ``[low, high]`` drawn as offsets from ``anchor`` (the size the graph was traced
+    at): hypothesis shrinks an offset towards 0, so a failure shrinks to the sizes nearest the
+    traced ones, a size that plays no part in it back to its traced value."""
+    from hypothesis import strategies
+
+    anchor = min(max(anchor, low), high)
+    return strategies.integers(low - anchor, high - anchor).map(lambda offset: anchor + offset)
 
 
 def _range(observed_min: int, observed_max: int) -> tuple[int, int]:

@@ -33,7 +33,7 @@ class Observation:
     calls: int = 1
     source: str = ""
     instance: int = 0
-    weights_version: int = 0
+    weights_digest: int = 0  # of the instance's weights at the call (see weights_digest)
     training: bool = False  # the module was in training mode (dropout...) during the call
 
 
@@ -113,15 +113,27 @@ def _bound_signature(function: Callable[..., Any]) -> inspect.Signature:
     return signature.replace(parameters=parameters)
 
 
-def weights_version(module: torch.nn.Module) -> int:
-    """Sum of the in-place version counters of parameters and buffers: changes when weights do.
+DIGEST_SAMPLES = 64  # values of each parameter or buffer a weights digest reads, evenly spaced
 
-    Inference tensors (made under ``torch.inference_mode``) have no version counter; they
-    count 0 (outside inference mode they cannot be modified in place).
-    """
-    return sum(
-        0 if t.is_inference() else t._version for t in (*module.parameters(), *module.buffers())
-    )
+
+def weights_digest(module: torch.nn.Module) -> int:
+    """A digest of the values of the parameters and buffers, taken at every recorded call: it
+    changes when the weights do, whether in place, through ``.data`` (which in-place version
+    counters miss: ``p.data.normal_()``), by replacement or by a resize.  Each tensor
+    contributes its shape, dtype, version counter and a weighted sum of at most
+    :data:`DIGEST_SAMPLES` of its values, so that it stays cheap for large models."""
+    parts = []
+    for tensor in (*module.parameters(), *module.buffers()):
+        version = 0 if tensor.is_inference() else tensor._version
+        part: tuple[Any, ...] = (tuple(tensor.shape), str(tensor.dtype), version)
+        if not tensor.is_meta and tensor.numel():
+            flat = tensor.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // DIGEST_SAMPLES)]
+            values = torch.view_as_real(sample) if sample.is_complex() else sample
+            weights = torch.arange(1, values.numel() + 1, dtype=torch.float64).reshape(values.shape)
+            part += ((values.to(torch.float64) * weights).sum().item(),)
+        parts.append(part)
+    return hash(tuple(parts))
 
 
 @dataclass(eq=False)
@@ -245,7 +257,7 @@ class CallRecorder:
                 ],
                 source=self._blocks[-1].source if self._blocks else "",
                 instance=id(instance),
-                weights_version=weights_version(instance),
+                weights_digest=weights_digest(instance),
                 training=instance.training,
             )
         except Exception as e:

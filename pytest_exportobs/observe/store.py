@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.configuration import contract
+from ..core.trees import on_meta_device
 from .options import ObserveOptions
-from .recorder import CallRecorder, weights_version
+from .recorder import CallRecorder, weights_digest
 
 # Memory bound: distinct call signatures kept per model over a session.  The first
 # ``store_n_calls`` of each test are kept up to MAX_ORDINARY; the rest is room for the calls that
@@ -47,16 +48,19 @@ class ModelGroup:
         cls = type(self.module)
         return f"{cls.__module__}.{cls.__qualname__}"
 
-    def is_reference_valid(self, instance: int, version: int) -> bool:
-        """Recorded outputs are the reference iff made on the kept instance with today's weights."""
-        return instance == id(self.module) and version == weights_version(self.module)
+    def is_reference_valid(self, instance: int, digest: int) -> bool:
+        """Recorded outputs are the reference iff made on the kept instance with today's weights
+        (the digest of its weights at the call, see :func:`~.recorder.weights_digest`)."""
+        return instance == id(self.module) and digest == weights_digest(self.module)
 
 
 def identity(module: torch.nn.Module) -> str:
-    """``ClassName-<6 hex digits>`` of the class, the parameter shapes and dtypes, and the
+    """``ClassName-<6 hex digits>`` of the class, the parameter shapes and dtypes, the
     configuration entries that decide which calls it accepts (a transformers model of another
-    ``problem_type`` is another model)."""
-    key = (type(module).__qualname__, parameter_shapes(module), *filter(None, [contract(module)]))
+    ``problem_type`` is another model), and the meta device for a model on it (a model without
+    values is never the instance a model with values is checked on)."""
+    key = (type(module).__qualname__, parameter_shapes(module), *filter(None, [contract(module)]),
+           *(["meta"] if on_meta_device(module) else []))
     return f"{type(module).__name__}-{hashlib.sha1(repr(key).encode()).hexdigest()[:6]}"
 
 

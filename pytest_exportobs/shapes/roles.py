@@ -98,8 +98,8 @@ def _known_roles(aligned: AlignedCalls, leaf: int, encoder_decoder: bool, covers
     cache = cache_kind(aligned, leaf)
     if cache is not None:
         length = {"self": AxisRole.PAST_SEQ, "cross": AxisRole.ENCODER_SEQ, "static": None}[cache]
-        axes = {0: AxisRole.BATCH, 2: length} if rank == 4 else {0: AxisRole.BATCH}
-        return {(leaf, dim): Role(name) for dim, name in axes.items() if name}
+        axes = {0: AxisRole.BATCH, _length_axis(aligned.leaf_names[leaf], rank): length}
+        return {(leaf, dim): Role(name) for dim, name in axes.items() if name and dim is not None}
     slot_of = aligned.leaf_slot(leaf)
     slot = slot_of.name
     if leaf != slot_of.start:
@@ -116,6 +116,17 @@ def _known_roles(aligned: AlignedCalls, leaf: int, encoder_decoder: bool, covers
                           name not in (AxisRole.HEIGHT, AxisRole.WIDTH))
         for dim, name in known.items() if dim < rank
     }
+
+
+def _length_axis(name: str, rank: int) -> int | None:
+    """The sequence axis of a cache tensor: keys and values ``(batch, heads, seq, head_dim)``, an
+    indexer's keys ``(batch, seq, dim)``; a linear-attention layer's states have none."""
+    last = name.rsplit(".", 1)[-1]
+    if last.startswith("indexer_key_") and rank == 3:
+        return 1
+    if not last.startswith(("conv_state_", "recurrent_state_", "indexer_")) and rank == 4:
+        return 2
+    return None
 
 
 def _mask_covers_past(aligned: AlignedCalls) -> bool:

@@ -275,7 +275,7 @@ def test_tiny_llama_onnx_axes_carry_the_inferred_names(tiny_llama, tmp_path: Pat
         for batch, past, seq in ((2, 0, 6), (2, 6, 1), (3, 7, 1), (3, 4, 3)):
             inputs = dict(input_ids=torch.randint(0, 100, (batch, seq)),
                           attention_mask=torch.ones(batch, past + seq, dtype=torch.int64))
-            tiny_llama(**inputs, **({"past_key_values": cache(batch, past)} if past else {}))
+            tiny_llama(**inputs, **({models.cache_argument(): cache(batch, past)} if past else {}))
     result = check_model(group, settings(tmp_path))
     assert result.verdict == "passed", result.reason
     assert result.relations == ["total_seq = past_seq + seq"]
@@ -283,7 +283,8 @@ def test_tiny_llama_onnx_axes_carry_the_inferred_names(tiny_llama, tmp_path: Pat
     axes = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     assert axes["input_ids"] == ["batch", "seq"]
     assert axes["attention_mask"] == ["batch", "total_seq"]
-    assert [axes[name] for name in axes if name.startswith("past_key_values")] == [["batch", 2, "past_seq", 16]] * 4
+    caches = [axes[name] for name in axes if name.startswith(models.cache_argument())]
+    assert caches == [["batch", 2, "past_seq", 16]] * 4
     logits = model.graph.output[0].type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in logits] == ["batch", "seq", 100]
 
@@ -291,7 +292,7 @@ def test_tiny_llama_onnx_axes_carry_the_inferred_names(tiny_llama, tmp_path: Pat
     past = cache(5, 9)
     with register_flattening_functions(), torch.no_grad():
         leaves = torch.utils._pytree.tree_leaves((unseen["input_ids"], unseen["attention_mask"], past))
-        expected = tiny_llama(**unseen, past_key_values=past).logits
+        expected = tiny_llama(**unseen, **{models.cache_argument(): past}).logits
     got = OnnxRunner(Path(result.onnx_path))(leaves)[0]
     torch.testing.assert_close(torch.from_numpy(got), expected, atol=1e-4, rtol=1e-4)
 
@@ -939,10 +940,10 @@ def test_a_sliding_window_the_tests_never_fill_gets_a_length_of_its_own_and_the_
     first, again = (check_model(group, settings(tmp_path)) for _ in range(2))
     assert first.verdict == "passed", first.reason
     sliding, full = {"0": "batch", "2": "past_seq_window"}, {"0": "batch", "2": "past_seq"}
-    assert {name: axes for name, axes in first.dims.items() if name.startswith("past_key_values")} == {
-        "past_key_values.key_0": sliding, "past_key_values.value_0": sliding,
-        "past_key_values.key_1": full, "past_key_values.value_1": full}
-    assert any(note.startswith("past_seq_window (past_key_values.key_0.2, past_key_values.value_0.2) a length apart")
+    cache = models.cache_argument()
+    assert {name: axes for name, axes in first.dims.items() if name.startswith(cache)} == {
+        f"{cache}.key_0": sliding, f"{cache}.value_0": sliding, f"{cache}.key_1": full, f"{cache}.value_1": full}
+    assert any(note.startswith(f"past_seq_window ({cache}.key_0.2, {cache}.value_0.2) a length apart")
                for note in first.notes)
     assert (again.verdict, again.cache_hit, again.dims) == ("passed", True, first.dims)
 
@@ -950,11 +951,11 @@ def test_a_sliding_window_the_tests_never_fill_gets_a_length_of_its_own_and_the_
     assert first.graphs[0].inputs[:2] == ["input_ids", "position_ids"]
     for batch, prompt in ((3, 20), (2, 9)):
         with torch.no_grad(), register_flattening_functions():
-            cache = model(torch.randint(3, 64, (batch, prompt)), use_cache=True).past_key_values
+            cache = getattr(model(torch.randint(3, 64, (batch, prompt)), use_cache=True), models.cache_argument())
             assert [layer.keys.shape[2] for layer in cache.layers] == [min(prompt, 15), prompt]
             step, positions = torch.randint(3, 64, (batch, 1)), torch.full((batch, 1), prompt)
             leaves = [step, positions, *torch.utils._pytree.tree_leaves(cache)]
-            expected = model(step, position_ids=positions, past_key_values=cache).logits
+            expected = model(step, position_ids=positions, **{models.cache_argument(): cache}).logits
         torch.testing.assert_close(torch.from_numpy(runner(leaves)[0]), expected, atol=1e-5, rtol=1e-4)
 
 

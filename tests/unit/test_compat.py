@@ -16,7 +16,7 @@ import pytest
 import sympy
 import torch
 
-from pytest_exportobs.compat.onnxruntime_text import kernel_lacked, lacks_kernel
+from pytest_exportobs.compat.onnxruntime_text import failing_node, kernel_lacked, lacks_kernel
 from pytest_exportobs.compat.torch_private import (
     DEFERRED_ASSERTS,
     ExportUserError,
@@ -30,6 +30,7 @@ from pytest_exportobs.compat.torch_private import (
     size_oblivious,
     sympy_functions,
     to_onnx_program,
+    unchecked_module,
 )
 from pytest_exportobs.compat.torch_text import (
     SHAPES_LOGGER,
@@ -51,6 +52,24 @@ from pytest_exportobs.engine.reasons import one_line_reason
 class Doubling(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x) * 2
+
+
+class LargeBatchesContiguous(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= 64:  # torch bounds the batch to 63
+            x = x.contiguous()
+        return x * 2
+
+
+def test_an_unchecked_module_runs_sizes_its_programs_guards_reject() -> None:
+    """A batch of 1 (the range starts at 2) and one past torch's bound, as the ONNX graph runs them."""
+    program = torch.export.export(LargeBatchesContiguous(), (torch.randn(3, 4),),
+                                  dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
+    with pytest.raises(Exception):  # noqa: B017  torch's guard error type differs between releases
+        program.module()(torch.randn(64, 4))
+    unchecked = unchecked_module(program)
+    for batch in (1, 64):
+        torch.testing.assert_close(unchecked(torch.ones(batch, 4)), torch.full((batch, 4), 2.0))
 
 
 def test_the_exporters_two_steps_and_axis_renaming_make_a_valid_onnx_model() -> None:
@@ -180,6 +199,12 @@ def test_a_rejection_of_dims_and_its_fixes_are_read(captured: dict[str, Any]) ->
     assert not rejects_dims(captured["data_dependent"])
 
 
+def test_dims_pinned_by_solving_the_guards_are_a_rejection_with_their_fixes(captured: dict[str, Any]) -> None:
+    message = captured["specializations_required"]
+    assert rejects_dims(message)
+    assert pinned_sizes(suggested_fixes(message)) == {"height": 16, "width": 16}
+
+
 def test_the_shapes_loggers_records_give_the_symbol_its_guards_and_its_constant(captured: dict[str, Any]) -> None:
     records = [record(message, args) for message, args in captured["shape_records"]]
     created = [found for r in records if (found := symbol_created(r))]
@@ -209,6 +234,11 @@ def test_onnxruntimes_missing_kernels_are_read(captured: dict[str, Any]) -> None
     assert kernel_lacked(captured["type_error"]) == "Conv (node node_Conv_0) at the graph's opset"
     assert kernel_lacked(captured["not_implemented"]) == "Add (opset 14, node node_Add_0)"
     assert not lacks_kernel(captured["untranslatable"])
+
+
+def test_the_node_a_run_failed_in_is_read(captured: dict[str, Any]) -> None:
+    assert failing_node(captured["failed_run"]) == "node_view"
+    assert failing_node(captured["type_error"]) is None
 
 
 def test_aten_ops_a_translation_error_calls_unsupported_are_listed() -> None:

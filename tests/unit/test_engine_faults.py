@@ -96,6 +96,17 @@ def test_eager_that_does_not_reproduce_itself_is_nondeterministic_not_a_mismatch
     assert reason.startswith("call ") and "two eager runs differ" in reason
 
 
+class Scaled(torch.nn.Module):
+    """Scales by an attribute, as a configuration entry would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.scale = torch.nn.Linear(8, 4), 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
 def test_calls_observed_in_training_mode_are_judged_in_eval_mode(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).train()
@@ -106,14 +117,26 @@ def test_calls_observed_in_training_mode_are_judged_in_eval_mode(tmp_path: Path)
     assert model.training  # the check restores the mode the tests left
 
 
-def test_weights_changed_through_data_after_a_call_recompute_the_references(tmp_path: Path) -> None:
+def test_weights_changed_through_data_after_a_call_recompute_its_reference(tmp_path: Path) -> None:
+    """``.data`` has a version counter of its own: the digest of the weights' values sees the change."""
     model = MLP().eval()
     group = observed(model, (torch.randn(2, 8),), (torch.randn(3, 8),), between=lambda m: m.l1.weight.data.add_(1.0))
     result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0))
+    assert (result.verdict, result.reference) == ("passed", "recomputed on the exported instance for 1 of 2 calls")
+
+
+def test_state_changed_after_the_calls_with_the_same_weights_recomputes_every_reference(tmp_path: Path) -> None:
+    """A configuration entry changed after the calls (transformers' tests set ``model.config``):
+    eager, as the tests ran it, steadily gives other outputs with the same weights."""
+    model = Scaled().eval()
+    group = observed(model, (torch.randn(2, 8),), (torch.randn(3, 8),))
+    model.scale = 3.0
+    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0))
     assert result.verdict == "passed", result.reason
     assert result.notes[-1] == (
-        "references recomputed on the exported instance for every call: eager no longer gave the recorded outputs "
-        "(weights or state changed after the calls)"
+        "references recomputed on the exported instance for every call: eager, as the tests ran it, no longer gave "
+        "the recorded outputs with the same weights (the model's state changed after the calls: a config entry, "
+        "an attribute)"
     )
 
 
@@ -123,8 +146,8 @@ def test_weights_changed_through_data_after_a_call_recompute_the_references(tmp_
         ("Error when translating node %grouped_mm_fallback : "
          "call_function[target=torch.ops.transformers.grouped_mm_fallback.default]",
          'ConversionError: cannot translate transformers.grouped_mm_fallback.default to ONNX; '
-         'hint: transformers\' default MoE experts ("grouped_mm") do not translate: '
-         'build the model with experts_implementation="batched_mm" in its config'),
+         'hint: transformers\' MoE experts ("grouped_mm") translate with a static number of experts and no '
+         'out_dtype: else build the model with experts_implementation="batched_mm" in its config'),
         ("flash_attn is not supported by torch.export",
          'ConversionError: flash_attn is not supported by torch.export; '
          'hint: flash attention does not export: build the model with attn_implementation="sdpa" (or "eager")'),
@@ -153,3 +176,23 @@ def test_an_export_cache_that_cannot_be_written_is_a_note_and_the_model_is_still
     (note,) = [n for n in result.notes if "export cache" in n]
     assert note.startswith(f"the export cache {tmp_path / 'cache'} cannot be written (")
     assert note.endswith("): the next run exports again")
+
+
+def test_a_logging_handler_left_with_a_closed_stream_does_not_break_a_check(tmp_path: Path) -> None:
+    """A library's handler made while another capture was active (transformers imported while a
+    test's output was captured) keeps that capture's stream after it closed."""
+    import io
+    import logging
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("exportobs_test.closed_stream")
+    logger.addHandler(handler)
+    stream.close()
+    try:
+        group = observed(MLP().eval(), (torch.randn(2, 8),))
+        result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0))
+    finally:
+        logger.removeHandler(handler)
+    assert result.verdict == "passed", result.reason
+    assert handler.stream is stream  # given back as it was

@@ -11,6 +11,8 @@ pytest.importorskip("onnxruntime")
 
 from pytest_exportobs import InputObserver, export_patches, register_flattening_functions  # noqa: E402
 
+from models import cache_argument  # noqa: E402
+
 DYN = torch.export.Dim.DYNAMIC
 
 
@@ -37,7 +39,7 @@ def test_generate_records_extra_keywords_torch_needs_patches_for(observed_genera
     with register_flattening_functions():
         shapes = observer.infer_dynamic_shapes()
     expected = {
-        "input_ids": {1: DYN}, "position_ids": {1: DYN}, "past_key_values": [{2: DYN}] * 4,
+        "input_ids": {1: DYN}, "position_ids": {1: DYN}, cache_argument(): [{2: DYN}] * 4,
         "use_cache": None, "logits_to_keep": None, "kwargs": {"return_dict": None},
     }
     if transformers.__version__ < "5":  # 4.57 also passes the mask and the cache positions

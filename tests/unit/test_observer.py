@@ -19,6 +19,8 @@ from torch.utils import _pytree  # noqa: E402
 from pytest_exportobs import InputObserver, string_type  # noqa: E402
 from pytest_exportobs.observe.recorder import CallCounts  # noqa: E402
 
+from models import cache_argument  # noqa: E402
+
 DYN = torch.export.Dim.DYNAMIC
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one call
 
@@ -431,15 +433,16 @@ def test_generate_still_works_and_records_prefill_and_decode(tiny_llama) -> None
     assert torch.equal(generated, expected)
     assert observer.num_obs() == 3 and observer.counts == CallCounts(stored=3)
     with register_flattening_functions():
-        cache_sizes = [n_tensors(o.kwargs.get("past_key_values")) for o in observer.observations]
+        cache = cache_argument()
+        cache_sizes = [n_tensors(o.kwargs.get(cache)) for o in observer.observations]
         assert cache_sizes == [0, 4, 4]  # an empty (or absent) cache at prefill
         shapes = observer.infer_dynamic_shapes()
         assert shapes["input_ids"] == {1: DYN}
-        assert shapes["past_key_values"] == [{2: DYN}] * 4
+        assert shapes[cache] == [{2: DYN}] * 4
         # The prefill gets a stand-in cache with an empty sequence axis.
-        prefill = string_type(observer.infer_arguments(0)["past_key_values"], with_shape=True)
+        prefill = string_type(observer.infer_arguments(0)[cache], with_shape=True)
         assert prefill == "DynamicCache(key_cache=#2[T1s2x2x0x16,T1s2x2x0x16], value_cache=#2[T1s2x2x0x16,T1s2x2x0x16])"
-        decode = string_type(observer.infer_arguments()["past_key_values"], with_shape=True)
+        decode = string_type(observer.infer_arguments()[cache], with_shape=True)
         assert decode == "DynamicCache(key_cache=#2[T1s2x2x5x16,T1s2x2x5x16], value_cache=#2[T1s2x2x5x16,T1s2x2x5x16])"
 
 

@@ -448,3 +448,44 @@ def test_model_inputs_auto_string_names_dims_after_their_place(make_dynamic_cach
     assert ModelInputs(None, keywords).guess_dynamic_shapes(auto="dd") == (
         (), {"b": {1: "dd_1I1"}, "a": ({0: "dd_0I_0t0"},)},
     )
+
+
+def test_a_hybrid_cache_growing_between_calls_gets_the_dims_of_its_length(make_dynamic_cache) -> None:
+    """yobx's ``test_infer_dynamic_shapes_missing_pixels``: a prefill without a cache, then decode
+    steps with a cache of a sliding-window layer (its window by default the length of its keys,
+    282 then 283) and a full one; ``pixel_values`` only at prefill."""
+    import transformers
+
+    from pytest_exportobs import register_flattening_functions
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids=None, pixel_values=None, attention_mask=None, position_ids=None,
+                    past_key_values=None, token_type_ids=None, cache_position=None):
+            return input_ids
+
+    layers = [transformers.cache_utils.DynamicSlidingWindowLayer, transformers.cache_utils.DynamicLayer]
+
+    def step(past: int) -> dict[str, Any]:
+        seq = 1 if past else 282
+        ones = dict(input_ids=torch.ones((1, seq), dtype=torch.int64),
+                    attention_mask=torch.ones((1, past + seq), dtype=torch.int64),
+                    position_ids=torch.ones((1, seq), dtype=torch.int64),
+                    token_type_ids=torch.ones((1, seq), dtype=torch.int64),
+                    cache_position=torch.ones((seq,), dtype=torch.int64))
+        if not past:
+            return dict(ones, pixel_values=torch.ones((1, 3, 896, 896), dtype=torch.int64))
+        pairs = [(torch.rand((1, 1, past, 32)), torch.rand((1, 1, past, 32))) for _ in layers]
+        return dict(ones, past_key_values=make_dynamic_cache(pairs, cls_layers=layers))
+
+    model = Model()
+    observer = InputObserver(value_if_missing=dict(pixel_values=torch.empty((0, 3, 896, 896), dtype=torch.int64)))
+    with register_flattening_functions(), observer(model):
+        for past in (0, 282, 283):
+            model(**step(past))
+    with register_flattening_functions():
+        shapes = observer.infer_dynamic_shapes(set_batch_dimension_for=True)
+    assert shapes == {
+        "input_ids": {0: DYN, 1: DYN}, "pixel_values": {0: DYN}, "attention_mask": {0: DYN, 1: DYN},
+        "position_ids": {0: DYN, 1: DYN}, "past_key_values": [{0: DYN, 2: DYN}] * 4,
+        "token_type_ids": {0: DYN, 1: DYN}, "cache_position": {0: DYN},
+    }

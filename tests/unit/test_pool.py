@@ -65,7 +65,7 @@ def test_two_workers_pool_their_calls_and_each_model_is_checked_once(tmp_path: P
     calls = [(tuple(o.args[0].shape), o.instance == id(shared0), o.calls) for o in group.recorder.observations]
     assert calls == [((2, 4), True, 1), ((3, 4), True, 2), ((5, 4), False, 1)]
     assert group.sources == ["test_a[2]", "test_a[3]", "test_b[3]", "test_b[5]"]
-    assert not group.is_reference_valid(FOREIGN_INSTANCE, group.recorder.observations[2].weights_version)
+    assert not group.is_reference_valid(FOREIGN_INSTANCE, group.recorder.observations[2].weights_digest)
 
 
 def test_absorbed_calls_keep_the_session_bound_and_caches_round_trip(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from pytest_exportobs.core.caches import (  # noqa: E402
 from pytest_exportobs.core.pytrees import register_flattening_functions  # noqa: E402
 from pytest_exportobs.core.trees import spec_children  # noqa: E402
 
-from models import tiny_llama_config  # noqa: E402
+from models import cache_argument, tiny_llama_config  # noqa: E402
 
 DYN = Dim.DYNAMIC
 
@@ -181,7 +181,9 @@ def test_a_sliding_window_cache_round_trips_with_its_layer_classes(cache_utils):
     with register_flattening_functions():
         leaves, spec = pytree.tree_flatten(cache)
         rebuilt = pytree.tree_unflatten(leaves, spec)
-    assert spec.context.layers == (("DynamicSlidingWindowLayer", (("sliding_window", 4),)),)
+    (layout,) = spec.context.layers
+    assert (layout.cls, layout.arguments, layout.fields) == (
+        "DynamicSlidingWindowLayer", (("sliding_window", 4),), ("keys", "values"))
     assert [type(layer) for layer in rebuilt.layers] == [cache_utils.DynamicSlidingWindowLayer]
     assert (rebuilt.layers[0].sliding_window, rebuilt.get_seq_length()) == (4, 3)
 
@@ -215,6 +217,66 @@ def test_a_mixed_layer_cache_structure_saves_as_json_and_loads_back(cache_utils)
     assert loaded == spec
     assert [type(layer) for layer in rebuilt.layers] == classes
     assert rebuilt.layers[0].sliding_window == 8
+
+
+@pytest.fixture
+def tiny_mamba(cache_utils):
+    """A 2-layer Mamba: its cache holds a LinearAttentionLayer per layer (transformers 5)."""
+    if not hasattr(cache_utils, "LinearAttentionLayer"):
+        pytest.skip("this transformers has no linear-attention cache layers")
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(vocab_size=50, hidden_size=16, state_size=4, num_hidden_layers=2, conv_kernel=3)
+    return transformers.MambaForCausalLM(config).eval()
+
+
+def test_a_state_space_cache_round_trips_with_its_states_and_decodes_as_the_original(tiny_mamba, cache_utils):
+    ids = torch.randint(0, 50, (2, 5))
+    with torch.no_grad():
+        cache = tiny_mamba(ids, use_cache=True).cache_params
+        with register_flattening_functions():
+            leaves, spec = pytree.tree_flatten(cache)
+            paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(cache)[0]]
+            rebuilt = pytree.tree_unflatten([t.clone() for t in leaves], spec)  # the step updates states in place
+            loaded = pytree.treespec_loads(pytree.treespec_dumps(pytree.tree_structure({"cache_params": cache})))
+        step = ids[:, -1:]
+        expected = tiny_mamba(step, cache_params=cache, use_cache=True).logits
+        actual = tiny_mamba(step, cache_params=rebuilt, use_cache=True).logits
+    assert paths == [".conv_state_0", ".recurrent_state_0", ".conv_state_1", ".recurrent_state_1"]
+    assert [tuple(t.shape) for t in leaves] == [(2, 32, 3), (2, 32, 4)] * 2  # (batch, 2*hidden, kernel | state)
+    assert [type(layer) for layer in rebuilt.layers] == [cache_utils.LinearAttentionLayer] * 2
+    assert [(layer.has_previous_state, layer.conv_kernel_size) for layer in rebuilt.layers] == [({0: True}, {0: 3})] * 2
+    assert loaded.children()[0].context == spec.context
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_a_state_space_cache_before_its_first_step_flattens_to_no_tensor_and_keeps_its_layers(tiny_mamba, cache_utils):
+    cache = cache_utils.DynamicCache(config=tiny_mamba.config)
+    with register_flattening_functions():
+        leaves, spec = pytree.tree_flatten(cache)
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+    assert leaves == []
+    assert [type(layer) for layer in rebuilt.layers] == [cache_utils.LinearAttentionLayer] * 2
+    assert rebuilt.layers[0].has_previous_state == {0: False}
+
+
+def test_a_hybrid_layer_holds_its_keys_values_and_states(cache_utils):
+    if not hasattr(cache_utils, "LinearAttentionAndFullAttentionLayer"):
+        pytest.skip("this transformers has no hybrid cache layers")
+    layer = cache_utils.LinearAttentionAndFullAttentionLayer()
+    layer.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    layer.update_conv_state(torch.ones(1, 6, 3))
+    layer.update_recurrent_state(torch.ones(1, 6, 5))
+    cache = cache_utils.DynamicCache()
+    cache.layers.append(layer)
+    with register_flattening_functions():
+        paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(cache)[0]]
+        rebuilt = pytree.tree_unflatten(*pytree.tree_flatten(cache))
+    assert paths == [".key_0", ".value_0", ".conv_state_0", ".recurrent_state_0"]
+    (copy,) = rebuilt.layers
+    assert (copy.get_seq_length(), tuple(copy.conv_states[0].shape), tuple(copy.recurrent_states[0].shape)) == (
+        3, (1, 6, 3), (1, 6, 5))
 
 
 def test_make_dynamic_cache_takes_a_flat_list_and_any_rank_from_two(cache_utils):
@@ -472,18 +534,14 @@ def test_tiny_llama_with_a_dynamic_cache_exports_to_onnx(cache_utils):
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256)).eval()
 
-    def inputs(batch, seq, past):
-        return dict(
-            input_ids=torch.randint(0, 100, (batch, seq)),
-            attention_mask=torch.ones(batch, seq + past, dtype=torch.int64),
-            past_key_values=make_dynamic_cache(kv_pairs(2, batch, 2, past, 16)),
-        )
+    cache = cache_argument()
 
-    shapes = dict(
-        input_ids={0: DYN, 1: DYN},
-        attention_mask={0: DYN, 1: DYN},
-        past_key_values=[{0: DYN, 2: DYN}] * 4,
-    )
+    def inputs(batch, seq, past):
+        return {"input_ids": torch.randint(0, 100, (batch, seq)),
+                "attention_mask": torch.ones(batch, seq + past, dtype=torch.int64),
+                cache: make_dynamic_cache(kv_pairs(2, batch, 2, past, 16))}
+
+    shapes = {"input_ids": {0: DYN, 1: DYN}, "attention_mask": {0: DYN, 1: DYN}, cache: [{0: DYN, 2: DYN}] * 4}
     with register_flattening_functions():
         program = torch.onnx.export(
             model, (), kwargs=inputs(2, 3, 5), dynamic_shapes=shapes, dynamo=True, verbose=False
@@ -494,7 +552,7 @@ def test_tiny_llama_with_a_dynamic_cache_exports_to_onnx(cache_utils):
         ]  # before the forward grows the cache
         with torch.no_grad():
             expected = model(**other)
-        expected_leaves = pytree.tree_flatten((expected.logits, expected.past_key_values))[0]
+        expected_leaves = pytree.tree_flatten((expected.logits, getattr(expected, cache)))[0]
     session = ort.InferenceSession(
         program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"]
     )

@@ -16,7 +16,7 @@ from torch.utils import _pytree  # noqa: E402
 from pytest_exportobs import InputObserver, ShapeModel, string_type  # noqa: E402
 from pytest_exportobs.core.text import format_dims  # noqa: E402
 
-from models import example_arguments  # noqa: E402
+from models import cache_argument, example_arguments  # noqa: E402
 
 DYN = torch.export.Dim.DYNAMIC
 NO_RELATION_NOTE = "one observed call: no relation between dimensions can be inferred"
@@ -103,12 +103,9 @@ def llama_observer(tiny_llama) -> InputObserver:
     with torch.no_grad(), register_flattening_functions(), observer(tiny_llama, store_n_calls=4):
         for batch, prompt in ((2, 5), (3, 4)):
             prefill = text(batch, prompt)
-            cache = tiny_llama(**prefill).past_key_values
-            tiny_llama(
-                input_ids=prefill["input_ids"][:, -1:],
-                attention_mask=torch.ones(batch, prompt + 1, dtype=torch.int64),
-                past_key_values=cache,
-            )
+            cache = getattr(tiny_llama(**prefill), cache_argument())
+            tiny_llama(**{"input_ids": prefill["input_ids"][:, -1:],
+                          "attention_mask": torch.ones(batch, prompt + 1, dtype=torch.int64), cache_argument(): cache})
     return observer
 
 
@@ -139,7 +136,7 @@ def test_llama_named_dims_are_one_export_dim_per_name(llama_observer) -> None:
     assert dim_names(shapes) == {
         "input_ids": {0: "batch", 1: "seq"},
         "attention_mask": {0: "batch", 1: "total_seq"},
-        "past_key_values": [{0: "batch", 2: "past_seq"}] * 4,
+        cache_argument(): [{0: "batch", 2: "past_seq"}] * 4,
     }
     by_name: dict[str, set[int]] = {}
     for dim in dims_in(shapes):
@@ -149,7 +146,7 @@ def test_llama_named_dims_are_one_export_dim_per_name(llama_observer) -> None:
     assert llama_observer.infer_dynamic_shapes() == {
         "input_ids": {0: DYN, 1: DYN},
         "attention_mask": {0: DYN, 1: DYN},
-        "past_key_values": [{0: DYN, 2: DYN}] * 4,
+        cache_argument(): [{0: DYN, 2: DYN}] * 4,
     }
 
 
@@ -198,7 +195,7 @@ def test_llama_example_is_synthesized_with_every_dynamic_size_at_least_2(
     assert args == ()
     # The first decode call, seq and past_seq raised to their largest recorded sizes.
     assert string_type(kwargs, with_shape=True) == (
-        "dict(input_ids:T7s2x5,attention_mask:T7s2x10,past_key_values:DynamicCache("
+        f"dict(input_ids:T7s2x5,attention_mask:T7s2x10,{cache_argument()}:DynamicCache("
         "key_cache=#2[T1s2x2x5x16,T1s2x2x5x16], value_cache=#2[T1s2x2x5x16,T1s2x2x5x16]))"
     )
     assert torch.equal(kwargs["attention_mask"], torch.ones(2, 10, dtype=torch.int64))

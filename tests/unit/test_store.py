@@ -41,7 +41,7 @@ def test_the_first_instance_is_kept_and_later_ones_are_references_to_recompute()
     observe(store, second, "model", 3)
     group = store.groups["model"]
     assert group.module is first
-    valid = [group.is_reference_valid(o.instance, o.weights_version) for o in group.recorder.observations]
+    valid = [group.is_reference_valid(o.instance, o.weights_digest) for o in group.recorder.observations]
     assert valid == [True, False]
 
 

@@ -13,6 +13,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from pytest_exportobs.core.strings import string_type  # noqa: E402
 
+from models import cache_argument  # noqa: E402
+
 
 def test_seed_expectations():
     assert string_type((torch.randn(2, 6), torch.randn(1, 6)), with_shape=True) == "(T1s2x6,T1s1x6)"
@@ -241,13 +243,10 @@ def test_model_output(caches):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     make_dynamic_cache, _, _, pairs = caches
-    output = CausalLMOutputWithPast(
-        logits=torch.zeros(1, 3, 100), past_key_values=make_dynamic_cache(pairs)
-    )
-    assert (
-        string_type(output, with_shape=True)
-        == f"CausalLMOutputWithPast(logits:T1s1x3x100,past_key_values:{DYNAMIC_2_LAYERS})"
-    )
+    cache = cache_argument()  # the output's field is named as the models' argument
+    output = CausalLMOutputWithPast(**{"logits": torch.zeros(1, 3, 100), cache: make_dynamic_cache(pairs)})
+    shown = string_type(output, with_shape=True)
+    assert shown == f"CausalLMOutputWithPast(logits:T1s1x3x100,{cache}:{DYNAMIC_2_LAYERS})"
 
 
 # -- properties -------------------------------------------------------------------------------

@@ -15,10 +15,13 @@ transformers = pytest.importorskip("transformers")
 from pytest_exportobs.api.untrained import get_untrained_model_with_inputs  # noqa: E402
 from pytest_exportobs.core.pytrees import register_flattening_functions  # noqa: E402
 
+from models import cache_argument  # noqa: E402
+
 B, S, P, E = 2, 3, 5, 7  # default batch, new tokens, cached tokens, encoder tokens
 VOCAB, HIDDEN = 1000, 64
 SELF_KV = {0: "batch", 2: "past_seq"}
 CROSS_KV = {0: "batch", 2: "encoder_seq"}
+CACHE = cache_argument()  # the argument a model takes its cache by
 
 # name -> (config, task, expected output shapes)
 CASES: dict[str, tuple[Any, str, dict[str, tuple[int, ...]]]] = {
@@ -103,15 +106,15 @@ def test_causal_lm_inputs_and_dynamic_shapes():
         "input_ids": {0: "batch", 1: "seq"},
         "attention_mask": {0: "batch", 1: "total_seq"},
         "position_ids": {0: "batch", 1: "seq"},
-        "past_key_values": [SELF_KV] * 4,
+        CACHE: [SELF_KV] * 4,
     }
     assert inputs["attention_mask"].shape == (B, P + S)
     assert inputs["position_ids"].tolist() == [[5, 6, 7]] * B
-    cache = inputs["past_key_values"]
+    cache = inputs[CACHE]
     assert type(cache).__name__ == "DynamicCache"
     assert cache.get_seq_length() == P
     assert tuple(cache.layers[0].keys.shape) == (B, 2, P, 16)  # 2 kv heads of 64 / 4 heads
-    assert run(result["model"], inputs).past_key_values.get_seq_length() == P + S
+    assert getattr(run(result["model"], inputs), CACHE).get_seq_length() == P + S
 
 
 def test_encoder_inputs_include_token_type_ids():
@@ -126,7 +129,7 @@ def test_encoder_decoder_cache_shapes():
         "input_ids": {0: "batch", 1: "encoder_seq"},
         "attention_mask": {0: "batch", 1: "encoder_seq"},
         "decoder_input_ids": {0: "batch", 1: "seq"},
-        "past_key_values": [[SELF_KV] * 4, [CROSS_KV] * 4],
+        CACHE: [[SELF_KV] * 4, [CROSS_KV] * 4],
     }
     whisper = build("whisper")
     assert whisper["dynamic_shapes"]["input_features"] == {0: "batch"}  # Whisper fixes the frames
@@ -231,7 +234,7 @@ def test_use_dyn_not_str_lets_torch_export_take_the_string_axes():
     result = build("llama")
     assert result["dynamic_shapes"]["input_ids"] == {0: "batch", 1: "seq"}  # the seed's names
     shapes = use_dyn_not_str(result["dynamic_shapes"])
-    assert shapes["past_key_values"] == [{0: torch.export.Dim.DYNAMIC, 2: torch.export.Dim.DYNAMIC}] * 4
+    assert shapes[CACHE] == [{0: torch.export.Dim.DYNAMIC, 2: torch.export.Dim.DYNAMIC}] * 4
     with register_flattening_functions():
         program = torch.export.export(
             result["model"], (), kwargs=copy.deepcopy(result["inputs"]), dynamic_shapes=shapes
@@ -249,8 +252,8 @@ def test_static_cache_exports_to_onnx_and_matches_eager(tmp_path):
         inputs_kwargs=dict(cls_cache="StaticCache"),
     )
     model, inputs = result["model"], result["inputs"]
-    assert type(inputs["past_key_values"]).__name__ == "StaticCache"
-    assert result["dynamic_shapes"]["past_key_values"] == [{0: "batch"}] * 4
+    assert type(inputs[CACHE]).__name__ == "StaticCache"
+    assert result["dynamic_shapes"][CACHE] == [{0: "batch"}] * 4
     with register_flattening_functions():
         program = torch.onnx.export(
             model,

@@ -110,21 +110,22 @@ def test_mlp_variations_pass_within_bounds(mlp, tmp_path):
     assert ranges == {"batch": (2, 8), "seq": (2, 12)}
     assert outcome.valid == outcome.tried == len(outcome.examples) <= 8 + 1  # the draws, then the largest
     assert outcome.examples[-1] == {"batch": 8, "seq": 12}
-    assert outcome.examples[0] == {"batch": 2, "seq": 2}  # hypothesis starts from the smallest sizes
+    assert outcome.examples[0] == {"batch": 2, "seq": 5}  # hypothesis starts from the traced sizes (call 0)
     assert any(e["batch"] > 4 for e in outcome.examples) and any(e["seq"] > 6 for e in outcome.examples)  # unseen
     assert (outcome.invalid, outcome.failed, outcome.failing_sizes, outcome.failing_leaves) == (0, 0, None, None)
     for sizes in outcome.examples:
         assert all(ranges[name][0] <= size <= ranges[name][1] for name, size in sizes.items())
 
 
-def test_failure_shrinks_to_smallest_sizes(mlp, tmp_path):
+def test_a_failure_shrinks_to_the_sizes_nearest_the_traced_ones(mlp, tmp_path):
+    """Traced at batch 2, seq 5: the nearest failing batch is 3, and seq plays no part in it."""
     model, shapes, runner = mlp
     outcome = run_explore(shapes, eager_of(model), wrong_at_odd_batch(runner), tmp_path)
     assert outcome.failed == sum(e["batch"] % 2 == 1 and e["batch"] >= 3 for e in outcome.examples) > 0
-    assert outcome.failing_sizes == {"batch": 3, "seq": 2}
-    assert [tuple(t.shape) for t in outcome.failing_leaves] == [(3, 2, 8)]
+    assert outcome.failing_sizes == {"batch": 3, "seq": 5}
+    assert [tuple(t.shape) for t in outcome.failing_leaves] == [(3, 5, 8)]
     assert outcome.max_abs == pytest.approx(1.0, abs=1e-5)
-    assert outcome.detail == "24 of 24 values beyond tolerance, worst in output 0 (atol=0.0001, rtol=0.0001)"
+    assert outcome.detail == "60 of 60 values beyond tolerance, worst in output 0 (atol=0.0001, rtol=0.0001)"
     summary = outcome.to_json()
     assert "failing_leaves" not in summary and json.loads(json.dumps(summary)) == summary
 
@@ -157,7 +158,7 @@ def test_ci_derandomizes_without_database(mlp, tmp_path, monkeypatch):
         run_explore(shapes, eager_of(model), wrong_at_odd_batch(runner), tmp_path / "db", seed=None)
         for _ in range(2)
     )
-    assert first.to_json() == second.to_json() and first.failing_sizes == {"batch": 3, "seq": 2}
+    assert first.to_json() == second.to_json() and first.failing_sizes == {"batch": 3, "seq": 5}
     assert not (tmp_path / "db").exists()
 
 
@@ -168,7 +169,7 @@ def test_database_replays_the_failure_first(mlp, tmp_path, monkeypatch):
         run_explore(shapes, eager_of(model), wrong_at_odd_batch(runner), tmp_path, seed=None, examples=20)
         for _ in range(2)
     )
-    assert first.failing_sizes == second.failing_sizes == {"batch": 3, "seq": 2}
+    assert first.failing_sizes == second.failing_sizes == {"batch": 3, "seq": 5}
     assert second.examples[0] == first.failing_sizes
 
 
@@ -226,7 +227,7 @@ def test_exported_model_errors_fail_the_example(mlp, tmp_path):
         return runner(leaves)
 
     outcome = run_explore(shapes, eager_of(model), crashes_from_batch_5, tmp_path, examples=12)
-    assert outcome.failing_sizes == {"batch": 5, "seq": 2}
+    assert outcome.failing_sizes == {"batch": 5, "seq": 5}
     assert outcome.max_abs is None and outcome.detail == "RuntimeError: kernel failed"
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy
 import onnx
 import onnxruntime
 import torch
@@ -23,6 +24,19 @@ HERE = Path(__file__).parent
 class FixedBatch(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(3, -1)
+
+
+class FixedGrid(torch.nn.Module):
+    """A stride-2 stem before position embeddings of a fixed 8x8 grid: solving the guards pins
+    height and width (EfficientViT-M, TinyViT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 3, 3, stride=2, padding=1)
+        self.positions = torch.nn.Parameter(torch.zeros(1, 3, 8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stem(x) + self.positions
 
 
 class ValueCheck(torch.nn.Module):
@@ -70,6 +84,16 @@ def rejected_dims() -> tuple[str, list[list[Any]]]:
     return message, handler.records
 
 
+def specializations_required() -> str:
+    """torch.export's message when solving its guards pins dims, as torch.onnx.export captures
+    (size-oblivious, deferred runtime asserts)."""
+    dims = {0: torch.export.Dim("batch"), 2: torch.export.Dim("height"), 3: torch.export.Dim("width")}
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        return error_text(lambda: torch.export.export(
+            FixedGrid(), (torch.randn(2, 3, 16, 16),), dynamic_shapes=(dims,),
+            prefer_deferred_runtime_asserts_over_guards=True))
+
+
 def untranslatable() -> str:
     """torch.onnx's message for an op without ONNX translation."""
     torch.library.define("exportobs_capture::opaque", "(Tensor x) -> Tensor")
@@ -96,17 +120,33 @@ def missing_kernel(op: str) -> str:
     return error_text(lambda: onnxruntime.InferenceSession(serialized, providers=["CPUExecutionProvider"]))
 
 
+def failed_run() -> str:
+    """onnxruntime's message for a node that fails at run time (a Reshape to a size the input
+    does not have)."""
+    node = helper.make_node("Reshape", ["x", "shape"], ["y"], name="node_view")
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [2, 3])
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [shape],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return error_text(lambda: session.run(None, {"x": numpy.zeros(5, dtype=numpy.float32)}))
+
+
 def main() -> int:
     constraints, records = rejected_dims()
     captured = {
         "torch": torch.__version__.split("+")[0], "onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__,
         "constraints_violated": constraints,
+        "specializations_required": specializations_required(),
         "shape_records": records,
         "data_dependent": error_text(lambda: torch.export.export(
             ValueCheck(), (torch.randn(2, 3), torch.tensor([1, 2])))),
         "untranslatable": untranslatable(),
         "type_error": missing_kernel("Conv"),  # the type check of an op at the graph's opset
         "not_implemented": missing_kernel("Add"),  # no kernel registered for the type
+        "failed_run": failed_run(),
     }
     path = HERE / f"torch-{captured['torch']}.json"
     path.write_text(json.dumps(captured, indent=1) + "\n")

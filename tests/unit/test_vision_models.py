@@ -1,0 +1,162 @@
+"""Image models as timm's own tests call them: one image size, pass-through heads, models on the
+meta device, sides a model branches on or pins (no pytest session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import onnxruntime
+import pytest
+import torch
+
+from pytest_exportobs.engine.check import check_model
+from pytest_exportobs.engine.settings import CheckSettings
+from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
+
+from models import ConvNet, FixedGrid, PatchMixer
+
+
+def observed(module: torch.nn.Module, *calls: tuple, name: str = "model") -> ModelGroup:
+    store = SessionStore()
+    torch.manual_seed(0)
+    with store.observe(module, name, ObserveOptions(), "test_vision_models.py::test") as group, torch.no_grad():
+        for args in calls:
+            module(*args)
+    return group
+
+
+def settings(tmp_path: Path, examples: int = 10) -> CheckSettings:
+    return CheckSettings(export_dir=tmp_path, examples=examples, hypothesis_seed=0, use_cache=False)
+
+
+def line_of(text: str, path: Path = Path(__file__).parent.parent / "models.py") -> str:
+    """``tests/models.py:<n>: <code>`` of the line holding ``text``."""
+    lines = path.read_text().splitlines()
+    number = next(i for i, line in enumerate(lines, 1) if text in line)
+    return f"tests/models.py:{number}: {lines[number - 1].strip()}"
+
+
+def run_onnx(path: str, images: torch.Tensor) -> torch.Tensor:
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: images.numpy()})[0])
+
+
+def test_sides_torch_pins_solving_its_guards_are_kept_static_with_the_line_and_the_batch_serves(
+        tmp_path: Path) -> None:
+    """EfficientViT-M and TinyViT at one image size: torch says "Specializations unexpectedly
+    required (height, width)"; the sides are guesses (the tests never varied them), so they stay
+    static with a note, and the batch, which a deployment varies, stays dynamic."""
+    model = FixedGrid().eval()
+    group = observed(model, (torch.randn(2, 3, 16, 16),))
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.stage) == ("passed", "variations"), result.reason
+    assert result.dims == {"images": {"0": "batch"}}
+    line = line_of("if features.shape[-2:] != self.positions.shape[-2:]:")
+    assert [n for n in result.notes if "kept static" in n] == [
+        f"height kept static: torch.export specializes it to 16 at {line}",
+        f"width kept static: torch.export specializes it to 16 at {line}",
+    ]
+    unseen = torch.randn(5, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(run_onnx(result.onnx_path, unseen), model(unseen), rtol=1e-4, atol=1e-5)
+
+
+def test_a_guessed_side_the_graph_serves_at_the_traced_size_only_is_kept_static_with_the_failing_line(
+        tmp_path: Path) -> None:
+    """MobileViT at one image size: eager interpolates sides that are no multiple of its patch,
+    a branch torch traces once; the graph fails at odd sides, the tests never varied them, so they
+    stay static, the note naming the node's line; the batch still varies."""
+    model = PatchMixer().eval()
+    group = observed(model, (torch.randn(2, 3, 8, 8),), (torch.randn(3, 3, 8, 8),))
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.stage) == ("passed", "variations"), result.reason
+    assert result.dims == {"pixel_values": {"0": "batch"}}
+    kept = [n for n in result.notes if "kept static" in n]
+    reshape = line_of("patches = x.reshape(batch, channels, new_h // p, p, new_w // p, p)")
+    assert kept and all(n.endswith(f"(in {reshape}), where eager runs") for n in kept), kept
+    assert {n.split(" kept static")[0] for n in kept} in ({"height", "width"}, {"width", "height"}, {"height, width"})
+    unseen = torch.randn(4, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(run_onnx(result.onnx_path, unseen), model(unseen), rtol=1e-4, atol=1e-5)
+
+
+def test_sides_the_tests_vary_stay_dynamic_and_the_failure_names_the_line(tmp_path: Path) -> None:
+    model = PatchMixer().eval()
+    group = observed(model, (torch.randn(2, 3, 8, 8),), (torch.randn(3, 3, 12, 10),))
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind) == ("failed", "variations", "variation")
+    reshape = line_of("patches = x.reshape(batch, channels, new_h // p, p, new_w // p, p)")
+    assert f" in {reshape}: " in result.reason, result.reason
+    sizes = dict(pair.split("=") for pair in result.reason.split(" in ")[0].removeprefix("fails at ").split(", "))
+    assert int(sizes["height"]) % 2 or int(sizes["width"]) % 2  # an odd side takes the other branch
+
+
+def test_a_pass_through_module_exports_a_valid_onnx_file(tmp_path: Path) -> None:
+    """timm's heads with ``num_classes=0`` are ``nn.Identity``: a graph without ops still imports
+    the default opset."""
+    group = observed(torch.nn.Identity(), (torch.randn(2, 8),), (torch.randn(3, 8),))
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.stage) == ("passed", "variations"), result.reason
+    assert result.dims == {"input": {"0": "batch"}}
+    model = onnx.load(result.onnx_path)
+    assert [(o.domain, o.version) for o in model.opset_import] == [("", 18)]
+    assert model.graph.node[0].op_type == "Identity" and result.opset == 18
+
+
+def test_a_model_on_the_meta_device_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    """timm's default-config tests build and call models on the meta device: shapes, no values."""
+    with torch.device("meta"):
+        model = ConvNet().eval()
+    group = observed(model, (torch.randn(1, 3, 8, 8, device="meta"),))
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind) == ("skipped", "observe", "")
+    assert result.reason == (
+        "its calls ran on the meta device (shapes, no values): nothing to run eagerly, export or compare")
+    assert not (tmp_path / "model").exists()
+
+
+def test_a_model_moved_to_the_meta_device_after_its_calls_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    model = ConvNet().eval()
+    group = observed(model, (torch.randn(1, 3, 8, 8),))
+    model.to("meta")  # as timm's tests of reset_classifier do
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.reason) == (
+        "skipped", "its weights are on the meta device (shapes, no values), moved there after its calls: "
+                   "nothing to export or compare")
+
+
+def test_calls_on_the_meta_device_of_a_module_without_weights_are_left_out(tmp_path: Path) -> None:
+    """A module without parameters (timm's ``nn.Identity`` heads, activations) called on real and
+    on meta tensors: one group, checked on the real calls, the meta ones left out with a note."""
+    module = torch.nn.SiLU()
+    group = observed(module, (torch.randn(2, 8),), (torch.randn(1, 8, device="meta"),), (torch.randn(3, 8),))
+    result = check_model(group, settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert ("call 1 from test_vision_models.py::test left out: it ran on the meta device (shapes, no values)"
+            in result.model_notes)
+    only_meta = observed(torch.nn.SiLU(), (torch.randn(1, 8, device="meta"),))
+    skipped = check_model(only_meta, settings(tmp_path / "meta"))
+    assert (skipped.verdict, skipped.stage) == ("skipped", "observe")
+
+
+def test_a_model_on_the_meta_device_gets_a_group_of_its_own() -> None:
+    """The instance a group exports must hold values: a meta copy of a model never joins its group."""
+    store = SessionStore()
+    real = ConvNet()
+    with torch.device("meta"):
+        meta = ConvNet()
+    for module, device in ((meta, "meta"), (real, "cpu")):
+        with store.observe(module, "ConvNet", ObserveOptions(), "t::test"):
+            module(torch.randn(1, 3, 8, 8, device=device))
+    assert len(store.groups) == 2 and all(name.startswith("ConvNet[ConvNet-") for name in store.groups)
+    assert sorted(group.module is real for group in store.groups.values()) == [False, True]
+
+
+@pytest.mark.parametrize("guessed", [True, False])
+def test_an_image_model_keeps_dynamic_sides_it_serves(tmp_path: Path, guessed: bool) -> None:
+    """Sides a convolutional model serves at any size stay dynamic, varied by the tests or not."""
+    calls = [(torch.randn(2, 3, 16, 20),)] + ([] if guessed else [(torch.randn(3, 3, 24, 12),)])
+    result = check_model(observed(ConvNet().eval(), *calls, name="images"), settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert result.dims == {"images": {"0": "batch", "2": "height", "3": "width"}}
