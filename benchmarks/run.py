@@ -1,4 +1,4 @@
-"""Run the six benchmarks of pytest-exportobs and print one ratio per line.
+"""Run the seven benchmarks of pytest-exportobs and print one ratio per line.
 
     python benchmarks/run.py [--quick] [--only P1,P3] [--verbose]
 
@@ -8,10 +8,12 @@ P3  engine finishing one model   vs  hand-written export + ORT (target <= 1.15)
 P4  second, cached engine run    vs  the first                 (target <= 0.2)
 P5  -n 2 / --export-jobs 2       vs  serial / --export-jobs 1  (target <= 0.65)
 P6  --export-observe test phase  vs  -p no:exportobs          (target <= 1.05)
+P7  --export-check suite (first run, rerun, reseeded)  vs  the plain suite  (targets 3, 1.3, 1.3)
 
 Each benchmark runs in its own child process (P3 and P4 share one), so that none inherits another's
-imports, caches or memory.  Ratios come from CPU time (see README.md); absolute numbers follow each
-ratio line.  About 8 minutes on 2 idle cores (``--quick``: about 4), more on a busy machine.
+imports, caches or memory.  P1-P6 ratios come from CPU time, P7's from wall time (what a CI waits for;
+see README.md); absolute numbers follow each ratio line.  P1-P6 take about 8 minutes on 2 idle cores
+(``--quick``: about 4), P7 about as long again; more on a busy machine.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ SCRIPTS = {
     "P4": ["p3_p4_export.py"],
     "P5": ["p5_scale.py"],
     "P6": ["p6_observe_suite.py"],
+    "P7": ["p7_check_cost.py"],
 }
 
 
@@ -52,7 +55,7 @@ def run(script: str, extra: list[str], verbose: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Benchmarks of pytest-exportobs (ratios measured in this run)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (less precise)")
-    parser.add_argument("--only", default="P1,P2,P3,P4,P5,P6", help="comma-separated subset, e.g. P1,P4")
+    parser.add_argument("--only", default="P1,P2,P3,P4,P5,P6,P7", help="comma-separated subset, e.g. P1,P4")
     parser.add_argument("--verbose", action="store_true", help="show the benchmarks' progress")
     parser.add_argument("--mlp", action="store_true", help="P3/P4 on an MLP instead of the tiny Llama")
     args = parser.parse_args(argv)
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     begin = time.perf_counter()
     failed = False
     done: set[str] = set()
-    for name in ("P1", "P2", "P3", "P4", "P5", "P6"):
+    for name in SCRIPTS:
         if name not in wanted or name in done:
             continue
         script_args = list(extra)

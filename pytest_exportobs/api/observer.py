@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ..core.trees import flattening_context
-from ..engine.verify import OnnxRunner, Tolerance, verify_calls
+from ..engine.runtimes import OnnxRunner
+from ..engine.verify import Tolerance, verify_calls
 from ..observe.recorder import CallRecorder, Observation
 from ..shapes.model import ShapeModel
 from ..shapes.spec import spec_api, to_shapes_spec

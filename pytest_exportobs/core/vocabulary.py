@@ -1,4 +1,5 @@
-"""The words a check is made of: verdicts, stages, failure kinds, dim sources, axis roles, stand-ins, refinements.
+"""The words a check is made of: verdicts, stages, failure kinds, runtimes, dim sources, axis roles,
+stand-ins, refinements.
 
 Each is a ``str`` enum: a member equals its text, so results read from JSON (plain strings)
 compare equal to members, and JSON written from results holds the plain text.
@@ -81,6 +82,14 @@ class Kind(StrEnum):
     # Exported fine, but onnxruntime's provider here has no kernel for one of its ops in its dtype
     # (the CPU provider lacks many float16/bfloat16 kernels): a skip, not verified.
     RUNTIME = "runtime"
+
+
+class Runtime(StrEnum):
+    """What ran a graph to verify it (a graph's ``runtime`` in the reports)."""
+
+    ONNXRUNTIME = "onnxruntime"
+    REFERENCE = "onnx-reference"  # onnx's ReferenceEvaluator: half precision onnxruntime's CPU provider cannot run
+    PROGRAM = "torch-program"  # the exported program itself (--export-target torch)
 
 
 class DimSource(StrEnum):

@@ -1,7 +1,14 @@
-"""The export cache: ONNX files keyed by everything they depend on.
+"""The export cache: what torch.export and the ONNX translation produced, at two levels.
 
-A hit skips torch.export and the translation; verification still runs.  Code paths chosen by
-environment variables or global state are not part of the key.
+A *trace* entry, keyed by everything the trace depends on except the weights' values, holds what
+the trace established and the key of its graph: a hit skips torch.export.  A *graph* entry, keyed
+by the traced program itself, holds its ONNX translation twice, as translated (the weights are
+initializers named after the module's state) and optimized: a hit skips the decomposition and the
+translation, and graphs that differ only by constants the trace never reads share one.  The
+optimized file serves the weights it was made with; other weights (a suite that does not seed its
+models) are applied by name to the translated file, optimized again: never a stale weight.
+Verification always runs.  Code paths chosen by environment variables or global state are not
+part of the keys.
 """
 
 from __future__ import annotations
@@ -9,8 +16,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,35 +29,61 @@ from ..core.versions import package_versions
 from ..shapes.model import ShapeModel
 from .domain import Refinement
 
-# What an entry holds; a change makes earlier entries miss (2: the conditions of runtime asserts
-# among the refinements)
-ENTRY_FORMAT = 2
+# What an entry holds; a change makes earlier entries miss (3: trace and graph entries, weights
+# applied by name)
+ENTRY_FORMAT = 3
 
 
 @dataclass
-class CacheEntry:
-    """What an export left besides its ONNX file."""
+class TraceEntry:
+    """What a trace established: the key of its graph entry, notes, the refinements of the shape
+    model, the names of the graph's outputs and how torch was given the dims."""
+
+    graph: str
+    notes: list[str] = field(default_factory=list)
+    refinements: list[Refinement] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    dims_form: str = ""
+
+
+@dataclass
+class GraphEntry:
+    """What the translation of a traced program left besides its files: notes of the
+    decomposition and translation, opset and op counts of the optimized file, the initializers that
+    are the module's state (``weight_names``), the digest of the values the optimized file holds
+    (``weights``) and the axis names given to its symbolic dims."""
 
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    refinements: list[Refinement] = field(default_factory=list)  # what the export established
-    outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
+    weight_names: list[str] = field(default_factory=list)
+    weights: str = ""
+    axis_names: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GraphHit:
+    """A graph entry found intact: its metadata, the optimized file and the translated one."""
+
+    entry: GraphEntry
+    optimized: Path
+    translated: Path
 
 
 @dataclass(frozen=True)
 class ExportCache:
-    """A directory of ``<key>.onnx`` files and their ``<key>.json`` metadata; ``extra`` (the
-    export patches) is part of every key."""
+    """A directory of ``trace-<key>.json`` and ``graph-<key>.{json,onnx,translated.onnx}``
+    entries; ``extra`` (the export patches) is part of every key."""
 
     directory: Path
     extra: tuple[str, ...] = ()
 
-    def key(self, module: torch.nn.Module, method: str, shapes: ShapeModel, args: tuple, kwargs: dict) -> str:
-        """Hash of what the ONNX file depends on: the classes of the model and its submodules
+    def trace_key(self, module: torch.nn.Module, method: str, shapes: ShapeModel, args: tuple, kwargs: dict) -> str:
+        """Hash of what the trace depends on: the classes of the model and its submodules
         (qualified names and source files), its configuration, the method exported, the constant
-        arguments bound, the input structure (tree, dtypes, ranks) and its dynamic dims, the
-        weights, package versions, patches and the entries' :data:`ENTRY_FORMAT`."""
+        arguments bound, the input structure (tree, dtypes, ranks) and its dynamic dims, the names,
+        dtypes and shapes of the weights (not their values), the values of tensors held as plain
+        attributes, package versions, patches and :data:`ENTRY_FORMAT`."""
         digest = hashlib.sha256()
         classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules()})
         constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
@@ -59,39 +91,90 @@ class ExportCache:
         digest.update(json.dumps(described).encode())
         for source in _source_files(module):
             digest.update(source.encode())
-        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+        for name, tensor in module_state(module).items():
             digest.update(f"{name}:{tensor.dtype}:{tensor.layout}:{tuple(tensor.shape)}".encode())
+        for name, tensor in _tensor_attributes(module):
+            digest.update(name.encode())
             digest.update(tensor_bytes(tensor))
         digest.update(json.dumps(shapes.to_json(), sort_keys=True).encode())
         flat, spec = _pytree.tree_flatten((args, kwargs))
         digest.update(str(spec).encode())
         digest.update(repr([(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in flat]).encode())
-        digest.update(json.dumps([package_versions(), list(self.extra), ENTRY_FORMAT]).encode())
+        self._common(digest)
         return digest.hexdigest()[:32]
 
-    def load(self, key: str, onnx_path: Path) -> CacheEntry | None:
-        """Copy the entry to ``onnx_path`` when its metadata and file digest agree; else ``None``."""
-        entry, meta_path = self.directory / f"{key}.onnx", self.directory / f"{key}.json"
+    def graph_key(self, program: torch.export.ExportedProgram, axis_names: dict[str, str], state: set[str]) -> str:
+        """Hash of the traced program: its code with every node's dtype and symbolic shape, its
+        signature and ranges, the values of its constants that are not the module's ``state``,
+        the axis names, package versions, patches and :data:`ENTRY_FORMAT`."""
+        digest = hashlib.sha256()
+        code = program.graph_module.print_readable(print_output=False, include_stride=False, include_device=False)
+        digest.update(code.encode())
+        digest.update(f"{program.graph_signature}\n{program.range_constraints}".encode())
+        for name, value in sorted(program.constants.items()):
+            if name not in state:
+                digest.update(name.encode())
+                digest.update(tensor_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
+        digest.update(json.dumps(axis_names, sort_keys=True).encode())
+        self._common(digest)
+        return digest.hexdigest()[:32]
+
+    def _common(self, digest: Any) -> None:
+        digest.update(json.dumps([package_versions(), list(self.extra), ENTRY_FORMAT]).encode())
+
+    def load_trace(self, key: str) -> TraceEntry | None:
         try:
-            meta = json.loads(meta_path.read_text())
-            if meta["sha256"] != _file_digest(entry):
-                return None
-            onnx_path.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(entry, onnx_path)
-            return CacheEntry(
-                meta.get("opset"), meta.get("op_counts", {}), meta.get("notes", []),
-                [Refinement.from_json(r) for r in meta.get("refinements", [])],
-                meta.get("outputs", []),
-            )
+            meta = json.loads((self.directory / f"trace-{key}.json").read_text())
+            meta["refinements"] = [Refinement.from_json(r) for r in meta["refinements"]]
+            return TraceEntry(**meta)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def store(self, key: str, onnx_path: Path, entry: CacheEntry) -> None:
-        """Add ``onnx_path`` under ``key`` (atomically: a concurrent reader sees all or nothing)."""
-        target = copy_atomic(onnx_path, self.directory / f"{key}.onnx")
-        meta = {"sha256": _file_digest(target), "opset": entry.opset, "op_counts": entry.op_counts,
-                "notes": entry.notes, "refinements": [r.to_json() for r in entry.refinements], "outputs": entry.outputs}
-        write_atomic(self.directory / f"{key}.json", json.dumps(meta))
+    def store_trace(self, key: str, entry: TraceEntry) -> None:
+        meta = asdict(entry) | {"refinements": [r.to_json() for r in entry.refinements]}
+        write_atomic(self.directory / f"trace-{key}.json", json.dumps(meta))
+
+    def load_graph(self, key: str) -> GraphHit | None:
+        """The graph entry when its metadata and both files' digests agree; else ``None``."""
+        optimized, translated = self._graph_files(key)
+        try:
+            meta = json.loads((self.directory / f"graph-{key}.json").read_text())
+            digests = meta.pop("sha256"), meta.pop("translated_sha256")
+            if digests != (_file_digest(optimized), _file_digest(translated)):
+                return None
+            return GraphHit(GraphEntry(**meta), optimized, translated)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def store_graph(self, key: str, optimized: Path, translated: Path, entry: GraphEntry) -> None:
+        """Add the files under ``key``, the metadata last (atomically: a concurrent reader sees
+        a whole entry or none)."""
+        kept_optimized, kept_translated = self._graph_files(key)
+        copy_atomic(optimized, kept_optimized)
+        copy_atomic(translated, kept_translated)
+        meta = asdict(entry) | {"sha256": _file_digest(kept_optimized),
+                                "translated_sha256": _file_digest(kept_translated)}
+        write_atomic(self.directory / f"graph-{key}.json", json.dumps(meta))
+
+    def _graph_files(self, key: str) -> tuple[Path, Path]:
+        return self.directory / f"graph-{key}.onnx", self.directory / f"graph-{key}.translated.onnx"
+
+
+def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by qualified name, tied ones under each of their names (the names
+    torch.export gives the program's state and torch.onnx its initializers)."""
+    return {**dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False))}
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the names and exact values of ``state``."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name]
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor_bytes(tensor))
+    return digest.hexdigest()
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -101,6 +184,13 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     if value.layout != torch.strided:
         value = value.to_dense()
     return value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Tensors held as plain attributes (neither parameters nor buffers): torch.export lifts
+    them into the program as constants, with their values."""
+    return [(f"{prefix}.{name}", value) for prefix, sub in module.named_modules(remove_duplicate=False)
+            for name, value in vars(sub).items() if isinstance(value, torch.Tensor)]
 
 
 def _source_files(module: torch.nn.Module) -> list[str]:
@@ -125,4 +215,3 @@ def _file_digest(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-

@@ -25,7 +25,7 @@ from ..core.trees import flattening_context, on_meta_device
 from ..core.versions import package_versions
 from ..core.vocabulary import Kind, Stage, Verdict
 from ..observe.binding import UnsupportedInput
-from ..observe.store import ModelGroup, parameter_shapes
+from ..observe.store import ModelGroup
 from ..observe.structures import structure_difference
 from ..shapes.inference import DimPolicy
 from ..shapes.model import ShapeModel
@@ -34,7 +34,8 @@ from .graph import GraphCheck, ModelContext
 from .graphs import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
 from .patches import TracingPatches
 from .references import ReferenceFailed, references
-from .result import ModelResult
+from .resized import sides
+from .result import GraphResult, ModelResult
 from .settings import CheckSettings
 from .verify import Tolerance
 
@@ -64,13 +65,26 @@ def check_model(
                          "compare" if all(on_meta) else "its weights are on the meta device (shapes, no values), moved "
                          "there after its calls: nothing to export or compare")
         return result
-    if group.parameters and parameter_shapes(group.module) != group.parameters:
+    found, notes = sides(group)
+    result.model_notes.extend(notes)
+    if not found:
         result.verdict, result.stage = Verdict.SKIPPED, Stage.OBSERVE
-        result.reason = ("the model's parameters changed shape after its calls (resize_token_embeddings?): "
-                         "the calls recorded no longer fit the instance, nothing to check")
+        result.reason = ("the model's parameters changed shape after its calls (resize_token_embeddings?) and no "
+                         "call fits the weights at hand: nothing to check")
         return result
     try:
-        _ModelCheck(group, settings, result, progress).run()
+        graphs: list[GraphResult] = []
+        unverified: list[str] = []
+        for side in found:
+            side_graphs, left_over = _ModelCheck(side.group, settings, result, progress, len(graphs)).run()
+            for graph in side_graphs:
+                graph.renumber(side.calls)
+                graph.name = ", ".join(filter(None, [side.label, graph.name]))
+            graphs += side_graphs
+            unverified += [f"{side.label}: {left_over}" if side.label else left_over] if left_over else []
+        result.conclude(graphs, "; ".join(unverified))
+        if result.verdict == Verdict.PASSED:
+            result.output = ""
     except ModelProblem as e:
         result.verdict, result.stage, result.kind, result.reason = Verdict.FAILED, e.stage, e.kind, str(e)
     except EnvironmentProblem as e:  # the machine's: a session problem, no verdict
@@ -104,12 +118,16 @@ def _unobserved(result: ModelResult, recorder: Any) -> None:
 class _ModelCheck:
     """The check of one model, filling ``result``."""
 
-    def __init__(self, group: ModelGroup, settings: CheckSettings, result: ModelResult, progress: Progress):
+    def __init__(self, group: ModelGroup, settings: CheckSettings, result: ModelResult, progress: Progress,
+                 first_graph: int = 0):
         self.group, self.settings, self.result, self.progress = group, settings, result, progress
+        self.first_graph = first_graph  # the number of this check's first graph among the model's
         self.options = group.options
         self.patches = TracingPatches()
 
-    def run(self) -> None:
+    def run(self) -> tuple[list[GraphResult], str]:
+        """The graphs of the model (their calls numbered as the group's) and the calls no graph
+        ran, said in a line ("" when none)."""
         try:
             self.patches = TracingPatches.resolved((*self.settings.patches, *self.options.patches))
         except ValueError as e:  # a patch the user named that cannot be imported
@@ -124,7 +142,8 @@ class _ModelCheck:
             families = [family for family in kept if family]
             for family in families:
                 joint = self._infer(family)
-                checks, left = self._check_graphs(joint, self._context(family, observations, found), len(graphs))
+                context = self._context(family, observations, found)
+                checks, left = self._check_graphs(joint, context, self.first_graph + len(graphs))
                 if family is not families[0]:
                     _name_structure(checks, self._difference(families[0][0], family[0]))
                 graphs.extend(checks)
@@ -137,9 +156,7 @@ class _ModelCheck:
                 f"each with its own graphs: calls {' | '.join(_spans(f) for f in families)}")
         left_over = (f"{'; '.join(unverified)} run on no exported graph "
                      f"(at most {MAX_GRAPHS} graphs per input structure)") if unverified else ""
-        self.result.conclude([g.result for g in graphs], left_over)
-        if self.result.verdict == Verdict.PASSED:
-            self.result.output = ""
+        return [g.result for g in graphs], left_over
 
     def _difference(self, first: int, other: int) -> str:
         """What sets recorded call ``other``'s input structure apart from call ``first``'s."""

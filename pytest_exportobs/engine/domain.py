@@ -218,11 +218,21 @@ def asserted_conditions(
         if not condition.free_symbols or not {str(symbol) for symbol in condition.free_symbols} <= names.keys():
             continue
         condition = condition.xreplace({s: sympy.Symbol(names[str(s)], integer=True) for s in condition.free_symbols})
-        if all(satisfied([condition], sizes) for sizes in samples):
+        if all(satisfied([condition], sizes) for sizes in samples) or _holds_by(condition, asserts, names):
             continue
         if (tree := _tree(condition)) is not None:
             found.append(Refinement(RefinementKind.ASSERT, "", json.dumps(tree)))
     return found
+
+
+def _holds_by(condition: sympy.Basic, asserts: Sequence[sympy.Basic], names: Mapping[str, str]) -> bool:
+    """Whether ``condition`` is a conjunction of other asserted conditions (torch 2.15 asserts
+    ``(height >= 5) & (width >= 5)`` beside each of its terms)."""
+    if not isinstance(condition, sympy.And):
+        return False
+    named = {a.xreplace({s: sympy.Symbol(names.get(str(s), str(s)), integer=True) for s in a.free_symbols})
+             for a in asserts}
+    return all(term in named for term in condition.args)
 
 
 def conditions(found: Sequence[Refinement]) -> list[sympy.Basic]:

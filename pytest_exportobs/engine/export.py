@@ -4,18 +4,18 @@
 verifier's first step).  Every failure becomes an :class:`ExportOutcome` naming the stage, the
 kind and a one-line reason; nothing raises.  The shape model is refined with what torch proved,
 and the dims reported are read back from the file written.  An :class:`~.cache.ExportCache`
-skips capture and translation when nothing that matters changed.
+skips the capture when nothing the trace depends on changed, and the decomposition and
+translation when the traced program is one it holds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
+import shutil
 import time
 import traceback
-from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,23 +23,18 @@ from typing import Any
 import torch
 
 from ..compat.torch_private import (
-    guards_on_data,
     import_export_machinery,
     onnx_registry,
-    prepare_for_onnx,
     register_translations,
-    rename_onnx_axes,
-    to_onnx_program,
+    translated_program,
     unchecked_module,
 )
-from ..compat.torch_text import translated_op
 from ..core.text import error_line
 from ..core.trees import detached_clone, flat_outputs, spec_paths
 from ..core.vocabulary import Kind, Stage
 from ..shapes.model import ShapeModel
 from .bound import bind_constants
-from .cache import CacheEntry, ExportCache
-from .decompositions import UNGUARDED_CROSS_ENTROPY
+from .cache import ExportCache, GraphEntry, GraphHit, TraceEntry, module_state, state_digest
 from .domain import (
     Refinement,
     Shape,
@@ -53,6 +48,7 @@ from .domain import (
 )
 from .environment import EnvironmentProblem, writing
 from .examples import example_to_trace, other_examples
+from .onnx_stages import check_onnx, decompose, finish, save, translate
 from .patches import NO_PATCHES, TracingPatches
 from .probe import SizeProbe
 from .reasons import one_line_reason
@@ -61,7 +57,6 @@ from .tracing import Capture, Example, Specialized, Traced, trace
 from .translations import custom_translations
 from .verify import Tolerance, compare
 
-MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
 
 @dataclass
 class ExportOutcome(ExportFiles):
@@ -128,15 +123,12 @@ def export_model(
     ``onnx_path``, ``torch`` stops after torch.export.  The shape model is refined with what torch
     proved (equal dims, multiples of 2...).  The ``probe`` runs eager at sizes torch's bounds
     exclude (``None``: bounds are not checked)."""
-    outcome = ExportOutcome(ok=True, stage=Stage.TORCH_EXPORT, shapes=shapes)
+    outcome, exported = _begin(module, shapes, method)
     stages = Stages(outcome)
-    exported = bind_constants(module, method, shapes.aligned)
-    outcome.bound = exported is not module
-    outcome.example = example_to_trace(getattr(module, method), shapes, not outcome.bound, outcome.notes)
-    key = None
+    assert outcome.example is not None
     if target == "onnx" and cache is not None:
-        key = cache.key(module, method, shapes, outcome.example.args, outcome.example.kwargs)
-        if _load_cached(cache, key, onnx_path, shapes, outcome):
+        key = cache.trace_key(module, method, shapes, outcome.example.args, outcome.example.kwargs)
+        if _load_traced(cache, key, module_state(exported), onnx_path, shapes, outcome):
             return outcome
     try:
         with stages.run(Stage.TORCH_EXPORT):
@@ -149,23 +141,44 @@ def export_model(
             outcome.dims = read_dims(shapes, outcome.example.inputs, program_shapes(program), names)
             _save_program(program, onnx_path.with_suffix(".pt2"), outcome)
             return outcome
-        _to_onnx(stages, program, names, onnx_path, outcome)
+        traced_notes = list(outcome.notes)
+        graph = _to_onnx(stages, program, names, onnx_path, outcome, cache, module_state(exported))
         outcome.dims = _onnx_dims(shapes, onnx_path, outcome)
-        if cache is not None and key is not None:
-            _store_cached(cache, key, onnx_path, outcome)
+        if cache is not None:
+            entry = TraceEntry(graph, traced_notes, outcome.refinements, outcome.outputs, outcome.dims_form)
+            _keep(outcome, cache, lambda: cache.store_trace(key, entry))
     except StageFailed:
         pass
     return outcome
 
 
-def _store_cached(cache: ExportCache, key: str, onnx_path: Path, outcome: ExportOutcome) -> None:
-    """Keep the export for the next run; a cache that cannot be written costs that run its speed,
-    not this model its verdict (a note)."""
-    entry = CacheEntry(outcome.opset, outcome.op_counts, outcome.notes, outcome.refinements, outcome.outputs)
+def traced_program(
+    module: torch.nn.Module, shapes: ShapeModel, method: str = "forward", patches: TracingPatches = NO_PATCHES,
+) -> torch.export.ExportedProgram:
+    """The program torch.export traces, as :func:`export_model` traces it (a graph whose ONNX
+    file came from the export cache, traced again to localize a mismatch); raises on failure."""
+    outcome, exported = _begin(module, shapes, method)
+    return _trace(exported, shapes, outcome, None, patches).program
+
+
+def _begin(module: torch.nn.Module, shapes: ShapeModel, method: str) -> tuple[ExportOutcome, torch.nn.Module]:
+    """A fresh outcome with the example to trace, and the module to export (constants bound)."""
+    outcome = ExportOutcome(ok=True, stage=Stage.TORCH_EXPORT, shapes=shapes)
+    exported = bind_constants(module, method, shapes.aligned)
+    outcome.bound = exported is not module
+    outcome.example = example_to_trace(getattr(module, method), shapes, not outcome.bound, outcome.notes)
+    return outcome, exported
+
+
+def _keep(outcome: ExportOutcome, cache: ExportCache, store: Callable[[], None]) -> None:
+    """Store an entry for the next export; a cache that cannot be written costs that export its
+    speed, not this model its verdict (a note)."""
     try:
-        cache.store(key, onnx_path, entry)
+        store()
     except OSError as e:
-        outcome.notes.append(f"the export cache {cache.directory} cannot be written ({e}): the next run exports again")
+        note = f"the export cache {cache.directory} cannot be written ({e}): the next run exports again"
+        if note not in outcome.notes:
+            outcome.notes.append(note)
 
 
 def _trace(
@@ -276,20 +289,70 @@ def _save_program(program: torch.export.ExportedProgram, path: Path, outcome: Ex
     outcome.program_path = str(path)
 
 
-def _to_onnx(stages: Stages, program: Any, names: dict[str, str], path: Path, outcome: ExportOutcome) -> None:
+def _to_onnx(
+    stages: Stages, program: Any, names: dict[str, str], path: Path, outcome: ExportOutcome,
+    cache: ExportCache | None, state: dict[str, torch.Tensor],
+) -> str:
+    """Decompose, translate, optimize, write and check ``path``; the key of the graph entry kept
+    (``""`` without a cache).  A graph entry of the same traced program skips the first two.
+    ``state`` is the exported module's, by the names of the program's weights."""
+    key = ""
+    if cache is not None:
+        key = cache.graph_key(program, names, set(state))
+        hit = cache.load_graph(key)
+        if hit is not None and _place(hit, state, path, outcome):
+            outcome.notes.append("the traced graph is one the export cache holds: decomposition and translation "
+                                 "skipped")
+            return key
     register_translations(custom_translations())
+    first_note = len(outcome.notes)
+    translated = path.with_name(f"{path.stem}.translated.onnx")
     with stages.run(Stage.DECOMPOSE):
-        program = _decompose(program, outcome.notes)
+        program = decompose(program, outcome.notes)
     with stages.run(Stage.ONNX_TRANSLATE):
-        onnx_program = _translate_decomposing(program, outcome.notes)
-        if names:  # ONNXProgram.rename_axes does the same from torch 2.11 on
-            rename_onnx_axes(onnx_program.model, names)
+        onnx_program = translate(program, outcome.notes)
+        weight_names = sorted(name for name in onnx_program.model.graph.initializers if name in state)
+        if cache is not None:
+            save(onnx_program, translated)
+        finish(onnx_program, names, path)
+    with stages.run(Stage.ONNX_CHECKER):
+        check_onnx(path, outcome)
+    outcome.onnx_path = str(path)
+    if cache is not None:
+        weights = state_digest({name: state[name] for name in weight_names})
+        entry = GraphEntry(outcome.opset, outcome.op_counts, outcome.notes[first_note:], weight_names, weights, names)
+        _keep(outcome, cache, lambda: cache.store_graph(key, path, translated, entry))
+        translated.unlink(missing_ok=True)
+    return key
+
+
+def _place(hit: GraphHit, state: dict[str, torch.Tensor], path: Path, outcome: ExportOutcome) -> bool:
+    """Write the cached graph to ``path`` with the weights of ``state``: the optimized file when
+    they are the ones it holds, else the translated file with them applied by name, optimized
+    again (timed as translation).  ``False`` when that fails (the graph is then exported)."""
+    entry = hit.entry
+    if any(name not in state for name in entry.weight_names):
+        return False
+    weights = {name: state[name] for name in entry.weight_names}
+    if state_digest(weights) == entry.weights:
         with writing(Stage.ONNX_TRANSLATE, f"the ONNX file {path}"):
             path.parent.mkdir(parents=True, exist_ok=True)
-            onnx_program.save(str(path))
-    with stages.run(Stage.ONNX_CHECKER):
-        _check_onnx(path, outcome)
-    outcome.onnx_path = str(path)
+            shutil.copyfile(hit.optimized, path)
+    else:
+        begin = time.perf_counter()
+        try:
+            finish(translated_program(hit.translated, weights), entry.axis_names, path)
+        except EnvironmentProblem:
+            raise
+        except Exception:
+            return False
+        finally:
+            outcome.timings[Stage.ONNX_TRANSLATE] = time.perf_counter() - begin
+        outcome.notes.append("the weights differ from those of the cached graph: applied to it by name and "
+                             "optimized again")
+    outcome.opset, outcome.op_counts, outcome.onnx_path = entry.opset, entry.op_counts, str(path)
+    outcome.notes.extend(note for note in entry.notes if note not in outcome.notes)
+    return True
 
 
 def _onnx_dims(shapes: ShapeModel, path: Path, outcome: ExportOutcome) -> dict[str, dict[str, str]]:
@@ -304,15 +367,23 @@ def _onnx_dims(shapes: ShapeModel, path: Path, outcome: ExportOutcome) -> dict[s
     return read_dims(shapes, outcome.example.inputs, read, {})
 
 
-def _load_cached(cache: ExportCache, key: str, path: Path, shapes: ShapeModel, outcome: ExportOutcome) -> bool:
-    entry = cache.load(key, path)
-    if entry is None:
+def _load_traced(
+    cache: ExportCache, key: str, state: dict[str, torch.Tensor], path: Path, shapes: ShapeModel,
+    outcome: ExportOutcome,
+) -> bool:
+    """Restore the outcome of an earlier export of the same trace, and write its graph."""
+    entry = cache.load_trace(key)
+    hit = cache.load_graph(entry.graph) if entry is not None else None
+    if entry is None or hit is None:
         return False
-    outcome.stage, outcome.cache_hit, outcome.onnx_path = Stage.ONNX_CHECKER, True, str(path)
-    outcome.opset, outcome.op_counts, outcome.refinements = entry.opset, entry.op_counts, entry.refinements
-    outcome.outputs = entry.outputs
+    notes, outcome.notes = outcome.notes, list(entry.notes)
+    if not _place(hit, state, path, outcome):
+        outcome.notes = notes
+        return False
+    outcome.stage, outcome.cache_hit = Stage.ONNX_CHECKER, True
+    outcome.refinements, outcome.outputs, outcome.dims_form = entry.refinements, entry.outputs, entry.dims_form
     outcome.shapes, _ = apply_refinements(shapes, entry.refinements)
-    outcome.notes = [*entry.notes, "export cache hit: torch.export and translation skipped"]
+    outcome.notes.append("export cache hit: torch.export and translation skipped")
     outcome.dims = _onnx_dims(outcome.shapes, path, outcome)
     return True
 
@@ -325,68 +396,3 @@ def prepare(target: str) -> None:
     if target == "onnx":
         importlib.import_module("onnxruntime")
         onnx_registry()
-
-
-def _decompose(program: torch.export.ExportedProgram, notes: list[str]) -> torch.export.ExportedProgram:
-    """torch.onnx's preparation, then the nodes left without users removed: it drops the runtime
-    asserts but not what only they read (transformers' ``torch_compilable_check`` of a tensor
-    condition leaves ``_is_all_true``, which has no ONNX translation).  A loss over a
-    data-dependent number of targets, which torch's decomposition cannot take, is decomposed
-    with :data:`~.decompositions.UNGUARDED_CROSS_ENTROPY` first (and a note says so)."""
-    try:
-        program = prepare_for_onnx(program)
-    except Exception as e:
-        if not guards_on_data(e, "nll_loss"):
-            raise
-        program = prepare_for_onnx(program.run_decompositions(UNGUARDED_CROSS_ENTROPY))
-        notes.append("cross_entropy_loss decomposed into _log_softmax and nll_loss_forward: torch's own"
-                     " decomposition guards on its data-dependent number of targets")
-    if program.graph_module.graph.eliminate_dead_code():
-        program.graph_module.recompile()
-    return program
-
-
-def _translate(program: torch.export.ExportedProgram) -> Any:
-    onnx_program = to_onnx_program(program)
-    onnx_program.optimize()
-    return onnx_program
-
-
-def _translate_decomposing(program: torch.export.ExportedProgram, notes: list[str]) -> Any:
-    """:func:`_translate`; when the translation of an op fails (torchlib's ``cross_entropy_loss``
-    with a symbolic ``ignore_index``, as BERT's question-answering head passes), that op is
-    decomposed with torch's default decomposition and the program translated again."""
-    decomposed: list[str] = []
-    table = torch.export.default_decompositions()
-    for _ in range(MAX_DECOMPOSED):
-        try:
-            onnx_program = _translate(program)
-        except Exception as e:
-            op = _failing_op(e)
-            if op is None or op not in table:
-                raise
-            decomposed.append(str(op))
-            program = _decompose(program.run_decompositions({op: table[op]}), notes)
-            continue
-        if decomposed:
-            notes.append(f"translated after decomposing {', '.join(decomposed)}: torch's ONNX translation failed on it")
-        return onnx_program
-    return _translate(program)
-
-
-def _failing_op(error: BaseException) -> Any:
-    """The op (``torch.ops.aten.nll_loss_nd.default``) of the node whose translation failed."""
-    found = translated_op(f"{error} {error.__cause__}")
-    if found is None:
-        return None
-    ops: Any = torch.ops
-    return functools.reduce(lambda obj, name: getattr(obj, name, None), found.split("."), ops)
-
-
-def _check_onnx(path: Path, outcome: ExportOutcome) -> None:
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    onnx.checker.check_model(str(path))
-    outcome.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    outcome.op_counts = dict(sorted(Counter(n.op_type for n in model.graph.node).items()))

@@ -7,7 +7,6 @@ a graph of their own, they do not fail this one.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -19,37 +18,28 @@ import torch
 
 from ..core.text import error_line
 from ..core.trees import detached_clone, flat_outputs
-from ..core.vocabulary import DimSource, Kind, Stage, Verdict
+from ..core.vocabulary import DimSource, Kind, Runtime, Stage, Verdict
 from ..observe.recorder import Observation
 from ..observe.store import ModelGroup
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import export_sizes
 from .cache import ExportCache
 from .domain import conditions
-from .eager import ModelRaised, call_model
+from .eager import call_model
 from .environment import writing
-from .export import ExportOutcome, export_model
+from .export import ExportOutcome, export_model, traced_program
 from .graphs import GraphPlan
+from .localize import localize_call
 from .origins import failure_line
 from .patches import TracingPatches
 from .probe import SizeProbe, probe_unvaried_dims
 from .references import refreshed, reproduction
 from .repro import write_repro
 from .result import GraphResult
+from .runtimes import Unrunnable, onnx_runner, program_runner
 from .settings import CheckSettings
 from .variations import VariationOutcome, explore
-from .verify import (
-    Discrepancy,
-    NativeCrash,
-    OnnxRunner,
-    OutputLayout,
-    RuntimeGap,
-    Tolerance,
-    compare,
-    probe_load,
-    program_runner,
-    verify_calls,
-)
+from .verify import OutputLayout, Tolerance, padded_note, verify_calls
 
 T = TypeVar("T")
 Runner = Callable[[list[Any]], list[Any]]
@@ -104,6 +94,7 @@ class GraphCheck:
         self.layout = OutputLayout()
         self.split: list[int] = []  # model call indices to move to a graph of their own
         self.asserted: list[Any] = []  # conditions on sizes the program asserts, the ONNX file does not check
+        self.program: torch.export.ExportedProgram | None = None  # as traced (None: from the export cache)
 
     def run(self) -> GraphResult:
         context, result = self.context, self.result
@@ -112,6 +103,7 @@ class GraphCheck:
             outcome = self._export()
             if not outcome.ok:
                 return result
+            self.program = outcome.program
             runner = self._runner(outcome)
             if runner is None:
                 return result
@@ -195,29 +187,30 @@ class GraphCheck:
         return outcome
 
     def _runner(self, outcome: ExportOutcome) -> GraphRunner | None:
-        """What runs the graph; ``None`` when onnxruntime lacks a kernel the graph needs (the graph
-        is then skipped, kind ``runtime``: the export itself is fine), cannot load it, or crashes
-        natively loading it (probed in a process of its own: stage ``isolate``, kind ``crash``)."""
+        """What runs the graph: onnxruntime, else onnx's reference evaluator (see
+        :func:`~.runtimes.onnx_runner`); ``None`` when nothing here can (the graph is then skipped,
+        kind ``runtime``: the export itself is fine), when onnxruntime crashed natively on it
+        (probed in a process of its own: stage ``isolate``, kind ``crash``) or cannot load it."""
         result, target = self.result, self.context.settings.target
         result.stage = Stage.ORT_LOAD if target == "onnx" else Stage.VERIFY
         begin = time.perf_counter()
         try:
             if target == "onnx":
-                path = Path(outcome.onnx_path)
-                probe_load(path)
-                runner: GraphRunner = self.context.quiet(lambda: OnnxRunner(path))
+                path, dtype = Path(outcome.onnx_path), _float_dtype(self.context.module)
+                runner: GraphRunner = self.context.quiet(lambda: onnx_runner(path, dtype, result.notes))
+                result.runtime = runner.runtime  # type: ignore[attr-defined]  # an OnnxRunner or a ReferenceRunner
             else:
                 runner = program_runner(outcome.program, self.shapes.aligned, constants=not outcome.bound)
-        except NativeCrash as crash:
-            self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))  # of stage ort-load
-            result.stage, result.kind = Stage.ISOLATE, Kind.CRASH
-            result.reason = (
-                f"onnxruntime crashed natively ({crash}) creating a session for the ONNX written, in a process "
-                "of its own: the session and the other models are intact; report it to onnxruntime with the repro")
-            return None
-        except RuntimeGap as gap:
-            result.verdict, result.kind = Verdict.SKIPPED, Kind.RUNTIME
-            result.reason = gap.explain(_float_dtype(self.context.module))
+                result.runtime = Runtime.PROGRAM
+        except Unrunnable as gap:
+            if gap.crash:
+                self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))  # of stage ort-load
+                result.stage, result.kind = Stage.ISOLATE, Kind.CRASH
+                result.reason = f"{gap}: the session and the other models are intact; report it to onnxruntime"
+            else:
+                result.verdict, result.kind = Verdict.SKIPPED, Kind.RUNTIME
+                result.reason = (f"{gap}: the ONNX was written and checked but cannot run here; verify the model in "
+                                 "float32, or with an execution provider that has the kernel")
             return None
         except Exception as e:
             if not type(e).__module__.startswith("onnxruntime"):
@@ -239,7 +232,8 @@ class GraphCheck:
         references = [context.references[c] for c in self.plan.calls]
         found = context.quiet(lambda: verify_calls(runner, leaves, references, context.tolerance, self.layout))
         result.timings["verify"] = time.perf_counter() - begin
-        self._note_padded(found)
+        padded = padded_note(found, [context.ids[c] for c in self.plan.calls])
+        result.notes.extend([padded] if padded else [])
         stood_in = {i for i in range(len(self.plan.calls)) if None in self.shapes.aligned.calls[i]}
         self.split = [self.plan.calls[d.index] for d in found if not d.ok and d.index in stood_in]
         result.calls = [c for c in result.calls if c not in self.split]
@@ -250,6 +244,8 @@ class GraphCheck:
         bad = [d for d in found if not d.ok and d.index not in stood_in]
         if not bad:
             return True
+        if self._evaluator_failed(next((d.detail for d in bad if d.kind == Kind.ERROR), "")):
+            return False
         worst = max(bad, key=lambda d: d.max_abs)
         if worst.kind == "mismatch":
             problem = self._reference_problem(self.plan.calls[worst.index])
@@ -262,42 +258,37 @@ class GraphCheck:
         call = context.ids[self.plan.calls[worst.index]]
         result.reason = f"call {call} from {source}: {worst.detail or worst.kind}" + (
             f", max |Δ| {worst.max_abs:.3g}" if worst.kind == Kind.MISMATCH else "")
-        if worst.kind == Kind.MISMATCH:
-            result.reason += self._patch_behind(leaves[worst.index], references[worst.index])
+        behind = self._patch_behind(leaves[worst.index], references[worst.index]) if worst.kind in (
+            Kind.MISMATCH, Kind.OUTPUTS) else ""
+        result.reason += behind
+        if worst.kind == Kind.MISMATCH and not behind:  # a patch behind it explains it already
+            self._localize(leaves[worst.index], references[worst.index])
         self._repro(leaves[worst.index])
         return False
 
-    def _patch_behind(self, leaves: list[Any], expected: list[Any]) -> str:
+    def _patch_behind(self, leaves: list[Any], expected: Sequence[Any]) -> str:
         """``": the export patch <name> changes ..."`` when eager, run on ``leaves`` under one of
         the patches torch.export traced with, no longer gives ``expected`` (eager as the tests ran
         it): the graph follows the patched model, not the tests' one; ``""`` otherwise."""
         context = self.context
-        eager = context.eager(self.shapes)
-
-        def differs(patched: contextlib.AbstractContextManager[None]) -> bool:
-            with patched:
-                try:
-                    outputs = eager(detached_clone(leaves))
-                except ModelRaised:
-                    return True
-            return not compare(outputs, expected, context.tolerance).ok
-
-        patch = context.quiet(lambda: context.patches.changing(differs))
+        patch = context.quiet(lambda: context.patches.changing_outputs(
+            context.eager(self.shapes), leaves, expected, context.tolerance))
         if not patch:
             return ""
         return (f": the export patch {patch} changes what the model computes here (eager under it differs from "
                 "eager as the tests ran it), and the graph, traced under it, follows the patched model")
 
-    def _note_padded(self, found: list[Discrepancy]) -> None:
-        padded = [d for d in found if d.n_padded]
-        if padded:
-            self.result.notes.append(
-                f"calls {[self.context.ids[self.plan.calls[d.index]] for d in padded]}: "
-                f"{sum(d.n_padded for d in padded)} values beyond "
-                f"tolerance only at padded positions (max |Δ| {max(d.padded_max_abs for d in padded):.3g}): cache "
-                "entries attention never reads, rows of padded queries no consumer reads, batch elements a mask "
-                "leaves attending to nothing (no tokenizer makes them): tolerated"
-            )
+    def _evaluator_failed(self, error: str) -> bool:
+        """Whether onnx's reference evaluator, standing in for onnxruntime, raised (``error``) on a
+        call: the graph is then skipped (kind ``runtime``), the evaluator having gaps of its own
+        (its GatherElements fails on some shapes); a mismatch it computes still fails the graph."""
+        if not error or self.result.runtime != Runtime.REFERENCE:
+            return False
+        result = self.result
+        result.verdict, result.kind = Verdict.SKIPPED, Kind.RUNTIME
+        result.reason = (f"onnxruntime cannot run the graph here and onnx's reference evaluator fails on it ({error}): "
+                         "the ONNX was written and checked but cannot run here; verify the model in float32")
+        return True
 
     def _reference_problem(self, call: int) -> str:
         """Before blaming a mismatch on the export, check that eager gives the reference again
@@ -340,6 +331,8 @@ class GraphCheck:
                 f"variations: eager rejected all {variation.tried} generated examples: the model relates "
                 "sizes that the shape model keeps independent (e.g. mask = seq + a constant past)"
             )
+        if variation.failed and variation.max_abs is None and self._evaluator_failed(variation.detail):
+            return variation
         if variation.failed:
             # find() returned the smallest failing example: its sizes and leaves are set
             assert variation.failing_sizes is not None and variation.failing_leaves is not None
@@ -349,9 +342,29 @@ class GraphCheck:
             result.reason = f"fails at {sizes}{f' in {line}' if line else ''}: {variation.detail}"
             if variation.max_abs is not None:  # a mismatch, not an error of the graph
                 leaves = variation.failing_leaves
-                result.reason += self._patch_behind(leaves, context.eager(self.shapes)(detached_clone(leaves)))
+                expected = context.eager(self.shapes)(detached_clone(leaves))
+                behind = self._patch_behind(leaves, expected)
+                result.reason += behind
+                if not behind:
+                    self._localize(leaves, expected)
             self._repro(variation.failing_leaves)
         return variation
+
+    def _localize(self, leaves: list[Any], expected: Sequence[Any]) -> None:
+        """Name the node a mismatch of the ONNX graph on ``leaves`` comes from (see
+        :mod:`.localize`; a graph from the export cache is traced again for it): one line added to
+        the reason, the nodes kept for the reports.  Never the verdict."""
+        context, result = self.context, self.result
+        if context.settings.target != "onnx" or not result.onnx_path:
+            return
+        begin = time.perf_counter()
+        program = self.program
+        traced = (lambda: program) if program is not None else (
+            lambda: traced_program(context.module, self.shapes, context.method, context.patches))
+        found = context.quiet(lambda: localize_call(traced, result.onnx_path, leaves, context.tolerance,
+                                                    Runtime(result.runtime), expected))
+        result.timings["localize"] = time.perf_counter() - begin
+        result.localization, result.reason = found.to_json(), f"{result.reason}; {found.summary()}"
 
     def _repro(self, leaves: list[Any]) -> None:
         """Write the self-contained repro of a failure; a failure to write it is only a note."""

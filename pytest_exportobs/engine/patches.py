@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..compat.export_patches import named_export_patches
+from ..core.trees import detached_clone
+from .eager import ModelRaised
+from .verify import Tolerance, compare
 
 Factory = Callable[[], contextlib.AbstractContextManager[Any]]
 
@@ -51,6 +54,22 @@ class TracingPatches:
         if not differs(self.tracing()):
             return ""
         return next((name for name, _ in self.named() if differs(self.tracing(name))), "the export patches")
+
+    def changing_outputs(
+        self, eager: Callable[[list[Any]], Any], leaves: list[Any], expected: Sequence[Any], tolerance: Tolerance,
+    ) -> str:
+        """:meth:`changing` for ``eager`` run on (a copy of) ``leaves``: the patch under which it
+        no longer gives ``expected`` within ``tolerance``, or raises."""
+
+        def differs(patched: contextlib.AbstractContextManager[None]) -> bool:
+            with patched:
+                try:
+                    outputs = eager(detached_clone(leaves))
+                except ModelRaised:
+                    return True
+            return not compare(outputs, expected, tolerance).ok
+
+        return self.changing(differs)
 
 
 NO_PATCHES = TracingPatches()  # this package's export patches only

@@ -108,12 +108,20 @@ def run_exported(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
 '''
 
 _RUN_ONNX = '''
-def run_exported(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
-    """Export to ONNX, check the model, run it with onnxruntime."""
-    onnx_path = str(HERE / "model.onnx")
-    torch.onnx.export(model, args, kwargs=kwargs, dynamic_shapes=DYNAMIC_SHAPES, dynamo=True).save(onnx_path)
-    onnx.checker.check_model(onnx_path)
-    session = onnxruntime.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
+ONNX_PATH = HERE / "model.onnx"
+
+
+def export_onnx(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.onnx.ONNXProgram:
+    """Export to ONNX beside this script, and check the model."""
+    onnx_program = torch.onnx.export(model, args, kwargs=kwargs, dynamic_shapes=DYNAMIC_SHAPES, dynamo=True)
+    onnx_program.save(str(ONNX_PATH))
+    onnx.checker.check_model(str(ONNX_PATH))
+    return onnx_program
+
+
+def run_onnx(args: tuple, kwargs: dict) -> list:
+    """Run the ONNX model with onnxruntime."""
+    session = onnxruntime.InferenceSession(str(ONNX_PATH), providers=["CPUExecutionProvider"])
     tensors = [t.numpy() for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     return session.run(None, dict(zip([i.name for i in session.get_inputs()], tensors)))
 '''
@@ -129,11 +137,30 @@ def main() -> int:
     return 0 if result.ok else 1
 '''
 
+_MAIN_ONNX = '''
+def main() -> int:
+    """``--localize``: on a mismatch, also name the first ONNX node that differs from torch on
+    torch's own values for its inputs, and the source line behind it."""
+    model = load_model()
+    onnx_program = export_onnx(model, *load_call())
+    actual = run_onnx(*load_call())
+    args, kwargs = load_call()
+    expected = _pytree.tree_leaves(model(*args, **kwargs))
+    result = compare(actual, expected, Tolerance(ATOL, RTOL))
+    print(f"max abs diff {result.max_abs:.3g}, max rel diff {result.max_rel:.3g}: "
+          f"{result.detail or 'within tolerance'}")
+    if "--localize" in sys.argv[1:] and not result.ok:
+        tensors = [t for t in _pytree.tree_leaves(load_call()) if isinstance(t, torch.Tensor)]
+        found = localize(onnx_program.exported_program, ONNX_PATH, tensors, Tolerance(ATOL, RTOL), expected=expected)
+        print(found.table())
+    return 0 if result.ok else 1
+'''
+
 # the functions of repro.py per flow: torch.export only, torch.export + run, ONNX + onnxruntime
 _FUNCTIONS = {
     "torch.export": (_EXPORT, _MAIN_EXPORT),
     "torch": (_EXPORT, _RUN_PROGRAM, _MAIN_VERIFY),
-    "onnx": (_RUN_ONNX, _MAIN_VERIFY),
+    "onnx": (_RUN_ONNX, _MAIN_ONNX),
 }
 
 
@@ -192,6 +219,7 @@ def _imports(flow: str, builder: _Builder, transformers: bool) -> str:
     third_party = ["import onnx", "import onnxruntime"] * (flow == "onnx") + [
         "import torch", "from torch.utils import _pytree"]
     ours = [f"from pytest_exportobs import {'register_flattening_functions' if transformers else 'export_patches'}"] + [
+        "from pytest_exportobs.engine.localize import localize"] * (flow == "onnx") + [
         "from pytest_exportobs.engine.verify import Tolerance, compare"] * (flow != "torch.export")
     return "\n\n".join("\n".join(group) for group in (standard, third_party, builder.imports, ours) if group)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.text import format_dims
-from ..core.vocabulary import DimSource, Kind, Stage, Verdict
+from ..core.vocabulary import DimSource, Kind, Runtime, Stage, Verdict
 
 
 @dataclass(kw_only=True)
@@ -59,12 +59,14 @@ class GraphResult(ExportFiles):
     bounds: dict[str, list[int]] = field(default_factory=dict)
     max_abs: float | None = None
     max_rel: float | None = None
+    runtime: Runtime | str = ""  # what ran the graph to verify it
     discrepancies: list[dict[str, Any]] = field(default_factory=list)
     variations: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     traceback: str = ""
     repro_path: str = ""
+    localization: dict[str, Any] = field(default_factory=dict)  # of a mismatch: see localize.Localization
 
     @property
     def passed(self) -> bool:
@@ -157,8 +159,18 @@ class ModelResult:
         return max((g.max_rel for g in self.graphs if g.max_rel is not None), default=None)
 
     @property
+    def runtimes(self) -> list[str]:
+        """What verified the graphs (``onnxruntime``, ``onnx-reference``), each once."""
+        return sorted({str(g.runtime) for g in self.graphs if g.runtime})
+
+    @property
     def discrepancies(self) -> list[dict[str, Any]]:
         return [d for g in self.graphs for d in g.discrepancies]
+
+    @property
+    def localization(self) -> dict[str, Any]:
+        """Where the mismatch of the first graph localized comes from (``{}``: none was)."""
+        return next((g.localization for g in self.graphs if g.localization), {})
 
     @property
     def variations(self) -> dict[str, int]:
@@ -229,7 +241,7 @@ def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     """The fields of ``cls`` in ``data``, the vocabulary's words as members."""
     known = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in data.items() if k in known}
-    for name, words in (("verdict", Verdict), ("stage", Stage), ("kind", Kind)):
+    for name, words in (("verdict", Verdict), ("stage", Stage), ("kind", Kind), ("runtime", Runtime)):
         if values.get(name) in words._value2member_map_:
             values[name] = words(values[name])
     if "dim_sources" in values:

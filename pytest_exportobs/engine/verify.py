@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import math
-import signal
-import subprocess
-import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from torch.utils import _pytree
 
-from ..compat.onnxruntime_text import kernel_lacked, lacks_kernel
 from ..core.text import error_line
 from ..core.vocabulary import Kind
-from ..observe.alignment import AlignedCalls
 from ..shapes.synthesis import IGNORE_INDEX
 
 EPS = 1e-12
@@ -226,104 +218,16 @@ class OutputLayout:
         return empty if empty is not None and bool(empty.any()) else None
 
 
-class RuntimeGap(Exception):
-    """onnxruntime has no kernel for an op of the graph in its dtype (``NOT_IMPLEMENTED`` at
-    session load, or a type error on a float16/bfloat16 input of an op at the graph's opset)."""
-
-    def explain(self, dtype: torch.dtype | None) -> str:
-        """What the user reads: the op, the dtype and what to do."""
-        op = kernel_lacked(str(self))
-        in_dtype = f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
-        return (
-            f"onnxruntime's CPUExecutionProvider has no kernel for {op}{in_dtype}: the ONNX was written and "
-            "checked but cannot run here; verify the model in float32 (a float32 copy in the tests), or "
-            "with an execution provider that has the kernel"
-        )
-
-
-class NativeCrash(Exception):
-    """onnxruntime died natively (a signal) loading the graph, in the process that probed it."""
-
-
-# onnx.TensorProto FLOAT16, BFLOAT16: onnxruntime's CPU provider crashes natively on some such graphs
-HALF_PRECISION = (10, 16)
-_LOAD = (
-    "import sys, onnxruntime\n"
-    "options = onnxruntime.SessionOptions()\noptions.log_severity_level = 3\n"
-    "try:\n    onnxruntime.InferenceSession(sys.argv[1], options, providers=['CPUExecutionProvider'])\n"
-    "except Exception:\n    pass\n"
-)
-
-
-def probe_load(path: Path) -> None:
-    """Load a half-precision graph in a fresh process before this one does: onnxruntime 1.32
-    segfaults creating a session for some (an fp16 ``nn.MultiheadAttention``), which would end
-    the pytest session and every other model's verdict.  Raises :class:`NativeCrash`."""
-    if not _half_precision(path):
-        return
-    completed = subprocess.run([sys.executable, "-c", _LOAD, str(path)], capture_output=True, timeout=600)
-    if completed.returncode < 0:
-        raise NativeCrash(signal.Signals(-completed.returncode).name)
-
-
-def _half_precision(path: Path) -> bool:
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    typed = [*graph.input, *graph.output, *graph.value_info]
-    return any(v.type.tensor_type.elem_type in HALF_PRECISION for v in typed) or any(
-        t.data_type in HALF_PRECISION for t in graph.initializer)
-
-
-class OnnxRunner:
-    """An onnxruntime session fed with the flat leaves of an aligned call."""
-
-    def __init__(self, onnx_model_or_path: Any):
-        import onnxruntime
-
-        if hasattr(onnx_model_or_path, "model_proto"):  # torch.onnx.ONNXProgram
-            onnx_model_or_path = onnx_model_or_path.model_proto
-        if not isinstance(onnx_model_or_path, (str, Path)):
-            onnx_model_or_path = onnx_model_or_path.SerializeToString()
-        options = onnxruntime.SessionOptions()
-        options.log_severity_level = 3
-        # the check's share of the cores (see runner.check_all), and no thread spinning between
-        # runs: parallel checks would otherwise each start a pool over every core
-        options.intra_op_num_threads = torch.get_num_threads()
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        try:
-            self.session = onnxruntime.InferenceSession(
-                str(onnx_model_or_path) if isinstance(onnx_model_or_path, Path) else onnx_model_or_path,
-                options, providers=["CPUExecutionProvider"],
-            )
-        except Exception as e:
-            if lacks_kernel(str(e)):
-                raise RuntimeGap(str(e)) from e
-            raise
-        self.input_names = [i.name for i in self.session.get_inputs()]
-
-    def __call__(self, leaves: Sequence[Any]) -> list[np.ndarray]:
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        if len(tensors) != len(self.input_names):
-            raise ValueError(
-                f"the ONNX model has {len(self.input_names)} inputs, the call gives {len(tensors)} tensors"
-            )
-        feeds = {name: t.detach().cpu().numpy() for name, t in zip(self.input_names, tensors)}
-        return self.session.run(None, feeds)
-
-
-def program_runner(
-    program: torch.export.ExportedProgram, aligned: AlignedCalls, constants: bool = True
-) -> Callable[[Sequence[Any]], list]:
-    """Run an ExportedProgram's module on flat leaves (``--export-target torch``); ``constants``
-    false when the program was exported with its constant arguments bound."""
-    module = program.module()
-
-    def run(leaves: Sequence[Any]) -> list:
-        args, kwargs = aligned.split_arguments(leaves, constants=constants)
-        return [t for t in _pytree.tree_leaves(module(*args, **kwargs)) if isinstance(t, torch.Tensor)]
-
-    return run
+def padded_note(found: Sequence[Discrepancy], call_ids: Sequence[int]) -> str:
+    """What the comparisons ``found`` (of the calls numbered ``call_ids``) tolerated at padded
+    positions; ``""`` when nothing."""
+    padded = [d for d in found if d.n_padded]
+    if not padded:
+        return ""
+    return (f"calls {[call_ids[d.index] for d in padded]}: {sum(d.n_padded for d in padded)} values beyond tolerance "
+            f"only at padded positions (max |Δ| {max(d.padded_max_abs for d in padded):.3g}): cache entries attention "
+            "never reads, rows of padded queries no consumer reads, batch elements a mask leaves attending to nothing "
+            "(no tokenizer makes them): tolerated")
 
 
 def verify_calls(

@@ -16,7 +16,7 @@ from .baseline import CHECKS, Checks, dict_of, is_a, list_of, load_json, require
 from .judge import Gate, GateEntry
 
 REPORT_SCHEMA_VERSION = 1
-_COLUMNS = ("model", "outcome", "stage", "dynamic dims", "obs", "max abs Δ", "time")
+_COLUMNS = ("model", "outcome", "stage", "dynamic dims", "obs", "max abs Δ", "verified by", "time")
 _CHANGE_COLUMNS = ("model", "before", "now", "versions changed")
 # The fields of a reported model that are read back (what the gate judges), with their checks.
 _RESULT_CHECKS: Checks = {
@@ -116,6 +116,7 @@ def _cells(result: ModelResult, entry: GateEntry | None) -> list[str]:
         f"`{result.dims_text()}`",
         str(result.n_observations),
         f"{result.max_abs:.1e}" if result.max_abs is not None else "",
+        ", ".join(result.runtimes),
         f"{result.elapsed:.1f} s",
     ]
 
@@ -128,6 +129,23 @@ def markdown_table(columns: Iterable[str], rows: Iterable[Iterable[str]]) -> str
 
 def _row(cells: Iterable[str]) -> str:
     return "| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |"
+
+
+def _localization_table(localization: dict[str, Any]) -> str:
+    """The nodes introducing the largest errors of a mismatch, each on torch's own inputs."""
+    nodes = localization.get("largest") or []
+    if not nodes:
+        return ""
+    rows = [(("**beyond**" if n["beyond"] else "within"), " ".join(n["onnx_ops"]), f"`{n['onnx_node']}`",
+             f"`{n['torch_op']}`", f"`{n['line']}`" if n["line"] else "", _magnitude(n["introduced"]),
+             _magnitude(n["accumulated"])) for n in nodes]
+    columns = ("tolerance", "ONNX ops", "node", "torch op", "source line", "max Δ introduced", "max Δ accumulated")
+    return ("Largest errors a node introduces on torch's own inputs (`python repro.py --localize` prints them "
+            "again):\n\n" + markdown_table(columns, rows))
+
+
+def _magnitude(value: float | None) -> str:
+    return "inf" if value is None else f"{value:.3g}"  # JSON holds an infinite difference as null
 
 
 def _section(result: ModelResult, entry: GateEntry | None) -> str:
@@ -145,5 +163,6 @@ def _section(result: ModelResult, entry: GateEntry | None) -> str:
         entry.message if entry is not None else "",
         "\n".join(facts),
         f"```text\n{result.reason}\n```" if result.reason else "",
+        _localization_table(result.localization),
     ]
     return "\n\n".join(block for block in blocks if block)

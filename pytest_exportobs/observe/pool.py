@@ -20,8 +20,8 @@ import torch
 
 from ..compat.transformers_hooks import without_output_capturing_hooks
 from .options import ObserveOptions
-from .recorder import CallRecorder, Observation, signature_of
-from .store import MAX_OBSERVATIONS, MAX_ORDINARY, ModelGroup, parameter_shapes
+from .recorder import CallRecorder, Observation, parameter_shapes, signature_of
+from .store import MAX_OBSERVATIONS, MAX_ORDINARY, ModelGroup, held_weights
 
 Key = tuple[str, str]  # (base name, identity)
 FOREIGN_INSTANCE = 0  # the instance of a call recorded in another process: never a kept module's id
@@ -65,7 +65,7 @@ def rebuilt(path: Path) -> ModelGroup:
     recorder = CallRecorder(record.options.value_if_missing, capacity=MAX_OBSERVATIONS)
     recorder.signature = signature_of(getattr(record.module, record.options.method))
     return ModelGroup(record.base, record.identity, record.module, record.options, record.explicit, recorder,
-                      parameters=parameter_shapes(record.module))
+                      parameters=parameter_shapes(record.module), weights=held_weights(record.module))
 
 
 def save_calls(observations: list[Observation], sources: list[str], path: Path) -> None:

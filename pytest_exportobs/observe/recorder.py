@@ -34,6 +34,7 @@ class Observation:
     source: str = ""
     instance: int = 0
     weights_digest: int = 0  # of the instance's weights at the call (see weights_digest)
+    layout: int = 0  # of the instance's parameter shapes at the call: a resize changes it
     training: bool = False  # the module was in training mode (dropout...) during the call
 
 
@@ -114,6 +115,11 @@ def _bound_signature(function: Callable[..., Any]) -> inspect.Signature:
 
 
 DIGEST_SAMPLES = 64  # values of each parameter or buffer a weights digest reads, evenly spaced
+
+
+def parameter_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """Name, shape and dtype of every parameter."""
+    return [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
 
 
 def weights_digest(module: torch.nn.Module) -> int:
@@ -258,6 +264,7 @@ class CallRecorder:
                 source=self._blocks[-1].source if self._blocks else "",
                 instance=id(instance),
                 weights_digest=weights_digest(instance),
+                layout=hash(tuple(parameter_shapes(instance))),
                 training=instance.training,
             )
         except Exception as e:

@@ -21,7 +21,7 @@ import torch
 from ..core.configuration import contract
 from ..core.trees import on_meta_device
 from .options import ObserveOptions
-from .recorder import CallRecorder, weights_digest
+from .recorder import CallRecorder, parameter_shapes, weights_digest
 
 # Memory bound: distinct call signatures kept per model over a session.  The first
 # ``store_n_calls`` of each test are kept up to MAX_ORDINARY; the rest is room for the calls that
@@ -42,6 +42,9 @@ class ModelGroup:
     recorder: CallRecorder = field(default_factory=CallRecorder)
     sources: list[str] = field(default_factory=list)
     parameters: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # when first observed
+    # the parameters and buffers as first observed, by reference (no copy): what the calls made
+    # before a resize (resize_token_embeddings replaces the embeddings) are checked with
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def model_class(self) -> str:
@@ -64,9 +67,14 @@ def identity(module: torch.nn.Module) -> str:
     return f"{type(module).__name__}-{hashlib.sha1(repr(key).encode()).hexdigest()[:6]}"
 
 
-def parameter_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    """Name, shape and dtype of every parameter."""
-    return [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+
+
+def held_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers by name (tied ones under each of their names), held by
+    reference to their storage (``.data``): ``resize_token_embeddings`` assigns the embedding
+    parameter a new ``.data``, and these keep the first one alive, without a copy."""
+    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    return {name: tensor.data for name, tensor in named}
 
 
 class SessionStore:
@@ -102,7 +110,7 @@ class SessionStore:
         members[ident] = name
         self.groups[name] = ModelGroup(name, ident, module, options, explicit,
                                        CallRecorder(options.value_if_missing, capacity=MAX_OBSERVATIONS),
-                                       parameters=parameter_shapes(module))
+                                       parameters=parameter_shapes(module), weights=held_weights(module))
         return self.groups[name]
 
     def keys(self) -> dict[str, tuple[str, str]]:

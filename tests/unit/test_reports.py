@@ -23,7 +23,8 @@ def results() -> list[ModelResult]:
         ),
         ModelResult(
             "lm", "passed", n_observations=2, env=ENV,
-            graphs=[GraphResult("", dims=LM_DIMS, max_abs=3.1e-07, timings={"export": 1.0, "verify": 0.25})],
+            graphs=[GraphResult("", dims=LM_DIMS, max_abs=3.1e-07, runtime="onnxruntime",
+                                timings={"export": 1.0, "verify": 0.25})],
         ),
     ]
 
@@ -43,11 +44,11 @@ EXPECTED_MARKDOWN = """\
 
 exportobs gate: 1 regression (vit: passed→failed at torch.export (passed with torch 2.9.0, fails with torch 2.10.0))
 
-| model | outcome | stage | dynamic dims | obs | max abs Δ | time |
-| --- | --- | --- | --- | --- | --- | --- |
-| gone | missing |  |  |  |  |  |
-| lm | passed |  | `input_ids{0:batch,1:seq}` | 2 | 3.1e-07 | 1.2 s |
-| vit | failed | torch.export | `static` | 1 |  | 0.5 s |
+| model | outcome | stage | dynamic dims | obs | max abs Δ | verified by | time |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+| gone | missing |  |  |  |  |  |  |
+| lm | passed |  | `input_ids{0:batch,1:seq}` | 2 | 3.1e-07 | onnxruntime | 1.2 s |
+| vit | failed | torch.export | `static` | 1 |  |  | 0.5 s |
 
 ## Changed since baseline
 
@@ -119,10 +120,10 @@ def test_without_gate_the_verdict_is_the_outcome(tmp_path):
     assert md_path.read_text() == """\
 # exportobs report
 
-| model | outcome | stage | dynamic dims | obs | max abs Δ | time |
-| --- | --- | --- | --- | --- | --- | --- |
-| lm | passed |  | `input_ids{0:batch,1:seq}` | 2 | 3.1e-07 | 1.2 s |
-| vit | failed | torch.export | `static` | 1 |  | 0.5 s |
+| model | outcome | stage | dynamic dims | obs | max abs Δ | verified by | time |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+| lm | passed |  | `input_ids{0:batch,1:seq}` | 2 | 3.1e-07 | onnxruntime | 1.2 s |
+| vit | failed | torch.export | `static` | 1 |  |  | 0.5 s |
 
 ## vit: failed
 
@@ -154,4 +155,19 @@ def test_known_failure_and_regression_without_failed_verdict_get_sections(tmp_pa
 def test_table_cells_are_escaped(tmp_path):
     odd = ModelResult("a|b", "skipped")
     _, md_path = write_reports(tmp_path / "r.json", [odd], None, {})
-    assert "| a\\|b | skipped |  | `static` | 0 |  | 0.0 s |" in md_path.read_text().splitlines()
+    assert "| a\\|b | skipped |  | `static` | 0 |  |  | 0.0 s |" in md_path.read_text().splitlines()
+
+
+def test_a_localized_mismatch_lists_its_nodes(tmp_path):
+    node = {"value": "gelu", "torch_op": "aten.gelu.default", "onnx_ops": ["Relu"], "onnx_node": "node_gelu",
+            "line": "m.py:7: return gelu(x)", "dtype": "float32", "introduced": 0.17, "accumulated": None,
+            "beyond": True}
+    graph = GraphResult("", kind="mismatch", localization={"compared": 6, "first": node, "largest": [node]})
+    failed = ModelResult("mlp", "failed", stage="verify", kind="mismatch", reason="first diverging op: Relu",
+                         graphs=[graph])
+    _, md_path = write_reports(tmp_path / "report.json", [failed], None, {})
+    assert md_path.read_text().split("```\n\n", 1)[1] == (
+        "Largest errors a node introduces on torch's own inputs (`python repro.py --localize` prints them again):\n\n"
+        "| tolerance | ONNX ops | node | torch op | source line | max Δ introduced | max Δ accumulated |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |\n"
+        "| **beyond** | Relu | `node_gelu` | `aten.gelu.default` | `m.py:7: return gelu(x)` | 0.17 | inf |\n")

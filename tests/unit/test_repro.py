@@ -202,3 +202,22 @@ def test_llama_with_dynamic_cache_is_rebuilt_from_its_config(tmp_path):
     completed = run(repro, tmp_path)
     assert completed.returncode == 1, completed.stderr
     assert max_abs_diff(completed.stdout) > 0
+
+
+def test_localize_names_the_first_node_beyond_tolerance_and_its_line(mymodels, tmp_path):
+    """With a tolerance of 0 the first node that rounds otherwise than torch is the culprit."""
+    torch.manual_seed(0)
+    model = mymodels.Scorer().eval()
+    shapes = observed_shapes(model, [{"x": torch.randn(2, 16)}, {"x": torch.randn(3, 16)}])
+    repro = write_repro(tmp_path / "repro", model, shapes, first_call(shapes), stage="verify",
+                        target="onnx", method="forward", atol=0.0, rtol=0.0)
+
+    completed = subprocess.run([sys.executable, repro.path, "--localize"], cwd=tmp_path, capture_output=True,
+                               text=True, timeout=600)
+
+    assert completed.returncode == 1, completed.stderr
+    lines = completed.stdout.splitlines()
+    summary, *rows = lines[next(i for i, line in enumerate(lines) if line.startswith("max abs diff")) + 1:]
+    assert re.fullmatch(r"first diverging op: \w+(, \w+)* \(\w+\) from aten\.\w+\.\w+ at \S+mymodels\.py:\d+: .+: "
+                        r"\|Δ\| \S+ introduced on torch's inputs, \S+ accumulated", summary), summary
+    assert rows and all(row.startswith(("  beyond  ", "  within  ")) for row in rows)

@@ -15,8 +15,9 @@ from torch.utils import _pytree
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.core.vocabulary import AxisRole
 from pytest_exportobs.engine.eager import call_model
+from pytest_exportobs.engine.runtimes import OnnxRunner
 from pytest_exportobs.engine.variations import Leaves, VariationOutcome, explore, size_ranges
-from pytest_exportobs.engine.verify import OnnxRunner, Tolerance
+from pytest_exportobs.engine.verify import Tolerance
 from pytest_exportobs.shapes.dims import Relation
 from pytest_exportobs.shapes.inference import DimPolicy
 from pytest_exportobs.shapes.synthesis import build_leaves, complete_sizes, ignore_padded_labels, recipes

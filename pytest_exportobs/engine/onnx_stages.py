@@ -1,0 +1,101 @@
+"""The ONNX stages of an export: the traced program decomposed, translated, optimized, written
+and checked (torch.onnx's own steps, each called on its own so that each is timed and a failure
+names its stage)."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..compat.torch_private import (
+    guards_on_data,
+    prepare_for_onnx,
+    rename_onnx_axes,
+    to_onnx_program,
+)
+from ..compat.torch_text import translated_op
+from ..core.vocabulary import Stage
+from .decompositions import UNGUARDED_CROSS_ENTROPY
+from .environment import writing
+from .result import ExportFiles
+
+MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
+
+
+def decompose(program: torch.export.ExportedProgram, notes: list[str]) -> torch.export.ExportedProgram:
+    """torch.onnx's preparation, then the nodes left without users removed: it drops the runtime
+    asserts but not what only they read (transformers' ``torch_compilable_check`` of a tensor
+    condition leaves ``_is_all_true``, which has no ONNX translation).  A loss over a
+    data-dependent number of targets, which torch's decomposition cannot take, is decomposed
+    with :data:`~.decompositions.UNGUARDED_CROSS_ENTROPY` first (and a note says so)."""
+    try:
+        program = prepare_for_onnx(program)
+    except Exception as e:
+        if not guards_on_data(e, "nll_loss"):
+            raise
+        program = prepare_for_onnx(program.run_decompositions(UNGUARDED_CROSS_ENTROPY))
+        notes.append("cross_entropy_loss decomposed into _log_softmax and nll_loss_forward: torch's own"
+                     " decomposition guards on its data-dependent number of targets")
+    if program.graph_module.graph.eliminate_dead_code():
+        program.graph_module.recompile()
+    return program
+
+
+def translate(program: torch.export.ExportedProgram, notes: list[str]) -> Any:
+    """The program translated (not yet optimized); when the translation of an op fails
+    (torchlib's ``cross_entropy_loss`` with a symbolic ``ignore_index``, as BERT's
+    question-answering head passes), that op is decomposed with torch's default decomposition
+    and the program translated again."""
+    decomposed: list[str] = []
+    table = torch.export.default_decompositions()
+    for _ in range(MAX_DECOMPOSED):
+        try:
+            onnx_program = to_onnx_program(program)
+        except Exception as e:
+            op = _failing_op(e)
+            if op is None or op not in table:
+                raise
+            decomposed.append(str(op))
+            program = decompose(program.run_decompositions({op: table[op]}), notes)
+            continue
+        if decomposed:
+            notes.append(f"translated after decomposing {', '.join(decomposed)}: torch's ONNX translation failed on it")
+        return onnx_program
+    return to_onnx_program(program)
+
+
+def _failing_op(error: BaseException) -> Any:
+    """The op (``torch.ops.aten.nll_loss_nd.default``) of the node whose translation failed."""
+    found = translated_op(f"{error} {error.__cause__}")
+    if found is None:
+        return None
+    ops: Any = torch.ops
+    return functools.reduce(lambda obj, name: getattr(obj, name, None), found.split("."), ops)
+
+
+def check_onnx(path: Path, outcome: ExportFiles) -> None:
+    """onnx's checker on the file written; its opset and op counts kept in ``outcome``."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    onnx.checker.check_model(str(path))
+    outcome.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    outcome.op_counts = dict(sorted(Counter(n.op_type for n in model.graph.node).items()))
+
+
+def finish(onnx_program: Any, names: dict[str, str], path: Path) -> None:
+    """Optimize the translated program, name its symbolic axes, write it."""
+    onnx_program.optimize()
+    if names:  # ONNXProgram.rename_axes does the same from torch 2.11 on
+        rename_onnx_axes(onnx_program.model, names)
+    save(onnx_program, path)
+
+
+def save(onnx_program: Any, path: Path) -> None:
+    with writing(Stage.ONNX_TRANSLATE, f"the ONNX file {path}"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        onnx_program.save(str(path))

@@ -1,0 +1,161 @@
+"""A mismatch localized: the first ONNX node wrong on torch's own inputs, with its source line, or
+the rounding that accumulates (no pytest session)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import onnx
+import pytest
+import torch
+
+from pytest_exportobs.compat import torch_private
+from pytest_exportobs.engine import export, onnx_stages
+from pytest_exportobs.engine.check import check_model
+from pytest_exportobs.engine.localize import localize
+from pytest_exportobs.engine.settings import CheckSettings
+from pytest_exportobs.engine.verify import Tolerance
+from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
+
+
+class Activated(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.gelu(self.inner(x))
+        return self.outer(hidden * 2 + 1).softmax(-1)
+
+
+class Residual(torch.nn.Module):
+    """24 residual layers in float16: onnxruntime and torch round each matmul differently, within
+    a tolerance of 1e-3, and the differences add up to 0.03 in the final sum."""
+
+    def __init__(self, layers: int = 24, width: int = 64) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x.sum(-1)
+
+
+def observed(module: torch.nn.Module, *calls: torch.Tensor, **options: Any) -> ModelGroup:
+    store = SessionStore()
+    with store.observe(module, "model", ObserveOptions(**options), "test_localize.py::test") as group, \
+            torch.no_grad():
+        for x in calls:
+            module(x)
+    return group
+
+
+def settings(export_dir: Path) -> CheckSettings:
+    return CheckSettings(export_dir=export_dir, examples=0)
+
+
+def source_line(function: Any, text: str) -> str:
+    """``file:line: code`` of the line of ``function`` holding ``text``, as the report writes it."""
+    lines, first = inspect.getsourcelines(function)
+    number = first + next(i for i, line in enumerate(lines) if text in line)
+    return f"{os.path.relpath(__file__)}:{number}: {lines[number - first].strip()}"
+
+
+def wrong_gelu(x: Any, approximate: str = "none") -> Any:
+    """A translation of ``aten.gelu`` that is not gelu."""
+    from onnxscript import opset18
+
+    op: Any = opset18
+    return op.Relu(x)
+
+
+@pytest.fixture
+def wrongly_translated_gelu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aten.gelu`` translated by :func:`wrong_gelu`, in a registry of this test's own."""
+    from torch.onnx._internal.exporter import _registration
+
+    registry = _registration.ONNXRegistry.from_torchlib()
+    monkeypatch.setattr(torch_private, "_torchlib_registry", lambda: registry)
+    monkeypatch.setattr(torch_private, "_REGISTERED", set())
+    monkeypatch.setattr(export, "custom_translations", lambda: {torch.ops.aten.gelu.default: wrong_gelu})
+
+
+@pytest.mark.usefixtures("wrongly_translated_gelu")
+def test_a_wrong_translation_is_named_with_its_source_line(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    result = check_model(observed(Activated().eval(), torch.randn(2, 8), torch.randn(5, 8)), settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind) == ("failed", "verify", "mismatch")
+    first = result.localization["first"]
+    line = source_line(Activated.forward, "gelu(")
+    assert (first["torch_op"], first["onnx_ops"], first["line"], first["beyond"]) == (
+        "aten.gelu.default", ["Relu"], line, True)
+    assert first["introduced"] == pytest.approx(first["accumulated"]) and first["introduced"] > 0.01
+    assert f"first diverging op: Relu ({first['onnx_node']}) from aten.gelu.default at {line}: |Δ|" in result.reason
+    assert "localize" in result.timings
+
+
+def test_an_edited_node_is_the_first_beyond_tolerance_and_its_consumers_are_not(tmp_path: Path) -> None:
+    """``+ 1`` turned into ``- 1`` in the ONNX file: the add introduces the error; the matmul and
+    softmax after it only carry it (within tolerance on torch's inputs, beyond from the graph's)."""
+    torch.manual_seed(0)
+    model, x = Activated().eval(), torch.randn(3, 8)
+    program = onnx_stages.decompose(torch.export.export(model, (x,)), [])
+    path = tmp_path / "model.onnx"
+    translated = torch_private.to_onnx_program(program)
+    translated.optimize()
+    translated.save(str(path))
+    edited = onnx.load(str(path))
+    add = next(node for node in edited.graph.node if node.op_type == "Add" and node.output[0] == "add")
+    add.op_type = "Sub"
+    onnx.save(edited, str(path))
+
+    found = localize(program, path, [x], Tolerance(), expected=[model(x).detach()])
+
+    assert found.first is not None and found.compared == 6
+    assert (found.first.value, found.first.onnx_ops, found.first.onnx_node) == ("add", ("Sub",), add.name)
+    assert found.first.introduced == pytest.approx(2.0)
+    assert found.first.line == source_line(Activated.forward, "hidden * 2 + 1")
+    downstream = {e.value: e for e in found.largest if e.value in ("linear_1", "softmax")}
+    assert downstream and all(not e.beyond and e.accumulated > 0.01 for e in downstream.values())
+    assert found.summary().startswith("first diverging op: Sub (")
+
+
+def test_a_program_that_differs_from_eager_is_not_blamed_on_the_translation(tmp_path: Path) -> None:
+    model, x = Activated().eval(), torch.randn(3, 8)
+    program = onnx_stages.decompose(torch.export.export(model, (x,)), [])
+    path = tmp_path / "model.onnx"
+    torch_private.to_onnx_program(program).save(str(path))
+
+    found = localize(program, path, [x], Tolerance(), expected=[model(x).detach() + 0.5])
+
+    assert (found.first, found.compared) == (None, 0)
+    assert found.summary().startswith("not the ONNX translation's: the program torch.export traced differs from "
+                                      "eager already (max |Δ| 0.5:")
+
+
+def test_float16_rounding_that_only_accumulates_blames_no_node(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Residual().to(torch.float16).eval()
+    calls = torch.randn(4, 64, dtype=torch.float16), torch.randn(3, 64, dtype=torch.float16)
+    result = check_model(observed(model, *calls, atol=1e-3, rtol=1e-3), settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind, result.runtimes) == (
+        "failed", "verify", "mismatch", ["onnxruntime"])
+    localization = result.localization
+    assert localization["first"] is None and localization["compared"] >= 24
+    assert all(not node["beyond"] and node["dtype"] == "float16" for node in localization["largest"])
+    assert "the mismatch accumulates: each of the" in result.reason
+    assert "values compared is within tolerance on torch's own inputs (a reduction in float16" in result.reason
+
+
+@pytest.mark.usefixtures("wrongly_translated_gelu")
+def test_a_graph_from_the_export_cache_is_traced_again_and_localized_alike(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    group = observed(Activated().eval(), torch.randn(2, 8), torch.randn(5, 8))
+    first, second = check_model(group, settings(tmp_path)), check_model(group, settings(tmp_path))
+    assert (first.cache_hit, second.cache_hit) == (False, True)
+    assert second.localization == first.localization and second.localization["first"]["torch_op"] == "aten.gelu.default"
+    assert second.reason == first.reason
