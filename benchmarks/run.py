@@ -12,7 +12,7 @@ P7  --export-check suite (first run, rerun, reseeded)  vs  the plain suite  (tar
 
 Each benchmark runs in its own child process (P3 and P4 share one), so that none inherits another's
 imports, caches or memory.  P1-P6 ratios come from CPU time, P7's from wall time (what a CI waits for;
-see README.md); absolute numbers follow each ratio line.  P1-P6 take about 8 minutes on 2 idle cores
+see docs/benchmarks.md); absolute numbers follow each ratio line.  P1-P6 take about 8 minutes on 2 idle cores
 (``--quick``: about 4), P7 about as long again; more on a busy machine.
 """
 

@@ -2,7 +2,7 @@
 
 A superset of ``torch.onnx.InputObserver`` (torch >= 2.11) and of the observers of
 onnx-diagnostic and yobx: the same methods and keywords, user errors that are both
-``ValueError`` and ``RuntimeError``, and more call sequences inferred (see README).
+``ValueError`` and ``RuntimeError``, and more call sequences inferred (see docs/api.md).
 """
 
 from __future__ import annotations

@@ -389,9 +389,9 @@ def _load_traced(
 
 
 def prepare(target: str) -> None:
-    """Import what the first export imports and build the torchlib registry, once, before the
-    checks: checks forked from this process inherit them instead of each paying about 2 s for
-    them, and they are part of the heap frozen while the checks run."""
+    """Import what the first export imports and build the torchlib registry, once, before forked
+    checks: they inherit them instead of each paying about 2 s for them, and they are part of
+    the heap frozen while the checks run."""
     import_export_machinery()
     if target == "onnx":
         importlib.import_module("onnxruntime")

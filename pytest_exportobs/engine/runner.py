@@ -69,18 +69,21 @@ def check_all(
 ) -> Iterator[ModelResult]:
     """Yield one result per group, in the order the checks end; ``progress`` receives one line
     per model and stage.  With ``isolate`` or ``jobs`` > 1 each check runs in a forked child,
-    ``jobs`` of them at once.  Each check runs with ``threads`` torch threads (``None``: as many
-    as now)."""
-    threads = threads or torch.get_num_threads()
+    ``jobs`` of them at once (fewer groups: as many jobs as groups, each with the threads of the
+    jobs left unused).  Each check runs with ``threads`` torch threads (``None``: as many as now)."""
     groups = list(groups)
+    used = max(1, min(jobs, len(groups)))
+    threads, jobs = torch.get_num_threads() if threads is None else threads * jobs // used, used
     trackers = [_Progress(f"exportobs [{i}/{len(groups)}] {g.name}", progress) for i, g in enumerate(groups, 1)]
+    forked = isolate or jobs > 1
     try:
-        prepare(settings.target)
+        if forked:  # in turn, the first export imports and builds them, and a rerun the cache serves needs neither
+            prepare(settings.target)
     except KeyboardInterrupt:
         yield from map(interrupted, groups)
         return
     with _heap_frozen():
-        if isolate or jobs > 1:
+        if forked:
             yield from _forked(groups, settings, trackers, jobs, threads)
             return
         previous = torch.get_num_threads()

@@ -53,7 +53,7 @@ SETTINGS = (
     Setting("export_isolate", "export and run each model in a subprocess (a native crash fails one model)",
             kind="flag", default=False),
     Setting("export_jobs", "check N models at once, each in a forked process; auto = the usable cores (shared "
-            "among xdist workers) (default: 1)", default="1", metavar="N"),
+            "among xdist workers) (default: auto)", default="auto", metavar="N"),
     Setting("export_timeout", "time limit of each model's check in seconds: beyond it the model fails with "
             "kind timeout (default: none)", metavar="SECONDS"),
     Setting("export_observe", "observe every instance of this torch.nn.Module class (dotted path; subclasses "

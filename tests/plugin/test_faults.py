@@ -120,7 +120,7 @@ def test_time_limit_waits_for_an_import_to_finish(tmp_path: Path, monkeypatch: p
     assert sys.modules["slow_module"].DONE
 
 
-@pytest.mark.parametrize("isolate", [[], ["--export-isolate"], ["--export-jobs=2"]],
+@pytest.mark.parametrize("isolate", [["--export-jobs=1"], ["--export-isolate"], ["--export-jobs=2"]],
                          ids=["in-process", "isolated", "jobs-2"])
 def test_a_stalled_model_times_out_and_the_others_are_checked(suite: pytest.Pytester, isolate: list[str]) -> None:
     result = suite.runpytest_subprocess(*ARGS, "--export-timeout=5", *isolate)
@@ -254,7 +254,8 @@ def interrupt_when(pytester: pytest.Pytester, line: str, *args: str) -> tuple[in
     return code, "".join(output)
 
 
-@pytest.mark.parametrize("isolate", [[], ["--export-isolate"]], ids=["in-process", "isolated"])
+@pytest.mark.parametrize("isolate", [["--export-jobs=1"], ["--export-isolate", "--export-jobs=1"]],
+                         ids=["in-process", "isolated"])
 def test_ctrl_c_while_checking_reports_what_was_checked_and_writes_no_baseline(
     suite: pytest.Pytester, isolate: list[str]
 ) -> None:

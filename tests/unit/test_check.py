@@ -1161,3 +1161,22 @@ def test_a_dim_named_dims_pin_but_unnamed_ones_keep_is_exported_dynamic(tmp_path
     for shape in ((1, 3001), (5, 6000), (2, 12345)):
         x = torch.randn(*shape)
         torch.testing.assert_close(torch.from_numpy(runner([x])[0]), model(x).detach(), atol=1e-5, rtol=1e-4)
+
+
+def test_a_batch_of_one_model_is_checked_in_process_with_the_threads_of_the_unused_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--export-jobs auto`` (the default) on 2 cores with one model left: no fork, both cores."""
+    from pytest_exportobs.engine import runner
+
+    threads_seen: list[int] = []
+
+    def counting(group: ModelGroup, check_settings: CheckSettings, *progress: Any) -> Any:
+        threads_seen.append(torch.get_num_threads())
+        return check_model(group, check_settings, *progress)
+
+    monkeypatch.setattr(runner, "_forked", lambda *args: pytest.fail("a batch of one model was forked"))
+    monkeypatch.setattr(runner, "check_model", counting)
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    results = list(runner.check_all([group], settings(tmp_path), isolate=False, jobs=2, threads=1))
+    assert [r.verdict for r in results] == ["passed"] and threads_seen == [2]

@@ -2,7 +2,7 @@
 
 The expectations are the peers' own unit tests (torch ``test/onnx/exporter/test_input_observer.py``,
 yobx ``unittests/torch/test_input_observer.py``), rewritten in our style. Where we deliberately
-differ, the test says so and README's "Coming from torch.onnx / onnx-diagnostic / yobx" lists it.
+differ, the test says so and docs/api.md's "Coming from torch.onnx / onnx-diagnostic / yobx" lists it.
 """
 
 from __future__ import annotations
