@@ -13,18 +13,31 @@ CONTRACT_KEYS = ("problem_type", "is_decoder", "add_cross_attention", "is_encode
 # the model's domain
 MAXIMUM_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
                 "max_source_positions", "max_target_positions", "max_length")
+# where a configuration was loaded from, not what the model computes: transformers' tests load
+# models saved to a fresh temporary directory, a new ``_name_or_path`` in every run
+PROVENANCE_KEYS = frozenset({"_name_or_path", "_commit_hash"})
 
 
 def configuration_text(module: Any) -> str:
-    """The ``config`` of a transformers or diffusers model as JSON text ('' when it has none)."""
+    """The ``config`` of a transformers or diffusers model as JSON text, without the
+    :data:`PROVENANCE_KEYS` of it or its sub-configurations ('' when it has none)."""
     config = getattr(module, "config", None)
     if config is None:
         return ""
     to_json = getattr(config, "to_json_string", None)
     try:
-        return to_json(use_diff=False) if callable(to_json) else repr(config)
+        text = to_json(use_diff=False) if callable(to_json) else repr(config)
+        return json.dumps(_without_provenance(json.loads(text)), sort_keys=True) if callable(to_json) else text
     except (TypeError, ValueError):
         return repr(config)
+
+
+def _without_provenance(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_provenance(v) for k, v in value.items() if k not in PROVENANCE_KEYS}
+    if isinstance(value, list):
+        return [_without_provenance(v) for v in value]
+    return value
 
 
 def contract(module: Any) -> str:

@@ -171,6 +171,24 @@ def test_a_model_whose_trace_is_another_ones_takes_its_translation(tmp_path: Pat
             } <= set(second.notes)
 
 
+def test_a_model_loaded_from_another_directory_hits_the_cache(tmp_path: Path) -> None:
+    """transformers' tests save and reload models through a fresh temporary directory: the
+    configuration's ``_name_or_path`` differs in every run, what the model computes does not."""
+    transformers = pytest.importorskip("transformers")
+
+    def loaded_from(path: str) -> MLP:
+        model = MLP().eval()
+        model.config = transformers.PretrainedConfig(name_or_path=path)
+        return model
+
+    first = check_model(observed(loaded_from("/tmp/tmpa1b2c3"), (torch.randn(2, 8),), (torch.randn(5, 8),)),
+                        settings(tmp_path))
+    again = check_model(observed(loaded_from("/tmp/tmpz9y8x7"), (torch.randn(2, 8),), (torch.randn(5, 8),)),
+                        settings(tmp_path))
+    assert (first.cache_hit, again.cache_hit, again.verdict) == (False, True, "passed")
+    assert "torch.export" not in again.timings
+
+
 def test_an_entry_of_an_earlier_format_misses_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Entries written before the conditions of runtime asserts were kept would lack them."""
     group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
