@@ -122,6 +122,10 @@ class ExportCache:
     def _common(self, digest: Any) -> None:
         digest.update(json.dumps([package_versions(), list(self.extra), ENTRY_FORMAT]).encode())
 
+    def holds_traces(self) -> bool:
+        """Whether an earlier run stored traces here (a rerun: most exports will be served)."""
+        return self.directory.is_dir() and any(self.directory.glob("trace-*.json"))
+
     def load_trace(self, key: str) -> TraceEntry | None:
         try:
             meta = json.loads((self.directory / f"trace-{key}.json").read_text())

@@ -388,11 +388,13 @@ def _load_traced(
     return True
 
 
-def prepare(target: str) -> None:
-    """Import what the first export imports and build the torchlib registry, once, before forked
-    checks: they inherit them instead of each paying about 2 s for them, and they are part of
-    the heap frozen while the checks run."""
+def prepare(target: str, cache: ExportCache | None = None) -> None:
+    """Import what the first export imports and, unless the export ``cache`` holds traces of an
+    earlier run (then most graphs need no translation), build the torchlib registry: once,
+    before forked checks, which inherit them instead of each paying about 2 s for the registry;
+    they are part of the heap frozen while the checks run."""
     import_export_machinery()
     if target == "onnx":
         importlib.import_module("onnxruntime")
-        onnx_registry()
+        if cache is None or not cache.holds_traces():
+            onnx_registry()

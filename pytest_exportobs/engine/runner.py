@@ -26,6 +26,7 @@ import torch
 
 from ..core.vocabulary import Kind, Stage, Verdict
 from ..observe.store import ModelGroup
+from .cache import ExportCache
 from .check import check_model
 from .export import prepare
 from .result import ModelResult
@@ -78,7 +79,7 @@ def check_all(
     forked = isolate or jobs > 1
     try:
         if forked:  # in turn, the first export imports and builds them, and a rerun the cache serves needs neither
-            prepare(settings.target)
+            prepare(settings.target, ExportCache(settings.export_dir / "cache") if settings.use_cache else None)
     except KeyboardInterrupt:
         yield from map(interrupted, groups)
         return
