@@ -33,7 +33,7 @@ from .localize import localize_call
 from .origins import failure_line
 from .patches import TracingPatches
 from .probe import SizeProbe, probe_unvaried_dims
-from .references import refreshed, reproduction
+from .references import Reproduction, refreshed, reproduction
 from .repro import write_repro
 from .result import GraphResult
 from .runtimes import Unrunnable, onnx_runner, program_runner
@@ -215,7 +215,7 @@ class GraphCheck:
         except Exception as e:
             if not type(e).__module__.startswith("onnxruntime"):
                 raise
-            result.kind, result.reason = "error", f"onnxruntime cannot load the ONNX written: {error_line(e)}"
+            result.kind, result.reason = Kind.ERROR, f"onnxruntime cannot load the ONNX written: {error_line(e)}"
             return None
         finally:
             result.timings[result.stage] = time.perf_counter() - begin
@@ -247,11 +247,11 @@ class GraphCheck:
         if self._evaluator_failed(next((d.detail for d in bad if d.kind == Kind.ERROR), "")):
             return False
         worst = max(bad, key=lambda d: d.max_abs)
-        if worst.kind == "mismatch":
+        if worst.kind == Kind.MISMATCH:
             problem = self._reference_problem(self.plan.calls[worst.index])
-            if problem == "stale":
+            if problem == Reproduction.STALE:
                 return self._verify(runner)  # against references eager gives today
-            if problem == "nondeterministic":
+            if problem == Reproduction.NONDETERMINISTIC:
                 return False
         source = context.observations[self.plan.calls[worst.index]].source or "recorded call"
         result.kind = worst.kind
@@ -290,7 +290,7 @@ class GraphCheck:
                          "the ONNX was written and checked but cannot run here; verify the model in float32")
         return True
 
-    def _reference_problem(self, call: int) -> str:
+    def _reference_problem(self, call: int) -> Reproduction:
         """Before blaming a mismatch on the export, check that eager gives the reference again
         (see :func:`~.references.reproduction`).  Nondeterministic eager fails the graph;
         references eager no longer gives are recomputed for every call."""
@@ -298,11 +298,11 @@ class GraphCheck:
         observation = context.observations[call]
         reference = context.references[call]
         found = context.quiet(lambda: reproduction(context.group, observation, reference, context.tolerance))
-        if found == "nondeterministic":
+        if found == Reproduction.NONDETERMINISTIC:
             result.kind = Kind.NONDETERMINISTIC
             result.reason = (f"call {context.ids[call]} from {observation.source or 'recorded call'}: two eager runs "
                              "differ, the outputs cannot be compared (sampling? a submodule in training mode?)")
-        elif found == "stale":
+        elif found == Reproduction.STALE:
             fresh = context.quiet(lambda: refreshed(context.group, context.observations))
             context.references[:] = fresh.outputs
             result.notes.append(f"references {fresh.origin}")

@@ -15,6 +15,7 @@ export, the engine asks :func:`reproduction` whether eager itself gives the refe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -85,16 +86,25 @@ def eager(group: ModelGroup, observation: Observation) -> Outputs:
     return flat_outputs(getattr(group.module, group.options.method)(*args, **kwargs))
 
 
-def reproduction(group: ModelGroup, observation: Observation, reference: Outputs, tolerance: Tolerance) -> str:
-    """Whether eager, as the tests ran it (no export patch), gives ``reference`` again on the call:
-    ``""`` when it does, ``nondeterministic`` when two eager runs differ, ``stale`` when eager is
-    steady but gives another output although the weights are those of the call (their digest,
-    see :func:`~..observe.recorder.weights_digest`, decides first): the model's state changed
-    after the call (a config entry, an attribute)."""
+class Reproduction(Enum):
+    """What eager, run again on a recorded call, gives."""
+
+    SAME = "same"  # the reference
+    NONDETERMINISTIC = "nondeterministic"  # two eager runs differ
+    STALE = "stale"  # steadily another output: the model's state changed after the call
+
+
+def reproduction(
+    group: ModelGroup, observation: Observation, reference: Outputs, tolerance: Tolerance,
+) -> Reproduction:
+    """Whether eager, as the tests ran it (no export patch), gives ``reference`` again on the call;
+    ``STALE`` although the weights are those of the call (their digest, see
+    :func:`~..observe.recorder.weights_digest`, decides first): a config entry or an attribute
+    changed after the call."""
     first, second = eager(group, observation), eager(group, observation)
     if not compare(first, second, tolerance).ok:
-        return "nondeterministic"
-    return "" if compare(first, reference, tolerance).ok else "stale"
+        return Reproduction.NONDETERMINISTIC
+    return Reproduction.SAME if compare(first, reference, tolerance).ok else Reproduction.STALE
 
 
 def refreshed(group: ModelGroup, observations: list[Observation]) -> References:

@@ -257,7 +257,7 @@ def run_and_compare(
     try:
         actual = run(leaves)
     except Exception as e:
-        return Discrepancy(index, False, "error", math.inf, math.inf, detail=error_line(e))
+        return Discrepancy(index, False, Kind.ERROR, math.inf, math.inf, detail=error_line(e))
     layout = outputs or OutputLayout()
     return compare(actual, reference, tolerance, index, layout.names, layout.padding(leaves), layout.empty_rows(leaves),
                    layout.decoder_padding(leaves), layout.unread_outputs(leaves))
