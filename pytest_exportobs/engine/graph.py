@@ -162,7 +162,7 @@ class GraphCheck:
         context, result = self.context, self.result
         context.progress(Stage.TORCH_EXPORT, self.plan.name)
         settings = context.settings
-        cache = ExportCache(settings.export_dir / "cache", context.patches.paths) if settings.use_cache else None
+        cache = ExportCache(settings.cache_dir, context.patches.paths) if settings.use_cache else None
         probe = SizeProbe(self.shapes, context.eager(self.shapes, flat=False))
         outcome = context.quiet(lambda: export_model(
             context.module, self.shapes, context.settings.target, self.directory / "model.onnx", cache,
@@ -258,25 +258,25 @@ class GraphCheck:
         call = context.ids[self.plan.calls[worst.index]]
         result.reason = f"call {call} from {source}: {worst.detail or worst.kind}" + (
             f", max |Δ| {worst.max_abs:.3g}" if worst.kind == Kind.MISMATCH else "")
-        behind = self._patch_behind(leaves[worst.index], references[worst.index]) if worst.kind in (
-            Kind.MISMATCH, Kind.OUTPUTS) else ""
-        result.reason += behind
-        if worst.kind == Kind.MISMATCH and not behind:  # a patch behind it explains it already
-            self._localize(leaves[worst.index], references[worst.index])
+        if worst.kind in (Kind.MISMATCH, Kind.OUTPUTS):
+            self._explain(leaves[worst.index], references[worst.index], values=worst.kind == Kind.MISMATCH)
         self._repro(leaves[worst.index])
         return False
 
-    def _patch_behind(self, leaves: list[Any], expected: Sequence[Any]) -> str:
-        """``": the export patch <name> changes ..."`` when eager, run on ``leaves`` under one of
-        the patches torch.export traced with, no longer gives ``expected`` (eager as the tests ran
-        it): the graph follows the patched model, not the tests' one; ``""`` otherwise."""
+    def _explain(self, leaves: list[Any], expected: Sequence[Any], values: bool) -> None:
+        """Why the graph's outputs on ``leaves`` differ from ``expected`` (eager as the tests ran
+        it), added to the reason: an export patch under which eager no longer gives them (the
+        graph, traced under it, follows the patched model), else for differing ``values`` the
+        node they come from (:meth:`_localize`)."""
         context = self.context
         patch = context.quiet(lambda: context.patches.changing_outputs(
             context.eager(self.shapes), leaves, expected, context.tolerance))
-        if not patch:
-            return ""
-        return (f": the export patch {patch} changes what the model computes here (eager under it differs from "
-                "eager as the tests ran it), and the graph, traced under it, follows the patched model")
+        if patch:
+            self.result.reason += (f": the export patch {patch} changes what the model computes here (eager under "
+                                   "it differs from eager as the tests ran it), and the graph, traced under it, "
+                                   "follows the patched model")
+        elif values:
+            self._localize(leaves, expected)
 
     def _evaluator_failed(self, error: str) -> bool:
         """Whether onnx's reference evaluator, standing in for onnxruntime, raised (``error``) on a
@@ -342,11 +342,7 @@ class GraphCheck:
             result.reason = f"fails at {sizes}{f' in {line}' if line else ''}: {variation.detail}"
             if variation.max_abs is not None:  # a mismatch, not an error of the graph
                 leaves = variation.failing_leaves
-                expected = context.eager(self.shapes)(detached_clone(leaves))
-                behind = self._patch_behind(leaves, expected)
-                result.reason += behind
-                if not behind:
-                    self._localize(leaves, expected)
+                self._explain(leaves, context.eager(self.shapes)(detached_clone(leaves)), values=True)
             self._repro(variation.failing_leaves)
         return variation
 
@@ -358,9 +354,12 @@ class GraphCheck:
         if context.settings.target != "onnx" or not result.onnx_path:
             return
         begin = time.perf_counter()
-        program = self.program
-        traced = (lambda: program) if program is not None else (
-            lambda: traced_program(context.module, self.shapes, context.method, context.patches))
+
+        def traced() -> torch.export.ExportedProgram:
+            if self.program is not None:
+                return self.program
+            return traced_program(context.module, self.shapes, context.method, context.patches)
+
         found = context.quiet(lambda: localize_call(traced, result.onnx_path, leaves, context.tolerance,
                                                     Runtime(result.runtime), expected))
         result.timings["localize"] = time.perf_counter() - begin

@@ -24,6 +24,7 @@ import torch
 
 from ..compat.torch_private import unchecked_module
 from ..core.text import error_line
+from ..core.trees import flat_outputs
 from ..core.vocabulary import Runtime
 from .frames import quoted_model_line
 from .onnx_stages import decompose
@@ -146,8 +147,9 @@ def localize(
         introduced = _run(_cut(model, aligned, values), feeds | {n + CUT: values[n] for n in aligned}, aligned, runtime)
     except Exception as e:  # a runtime failing on the graph it verified would have failed the graph
         return Localization(why_not=f"the cut graph does not run ({error_line(e)})")
-    found = (_node_error(name, values[name], nodes[name], producers, set(aligned), introduced[name],
-                         accumulated[name], tolerance) for name in aligned)
+    cut = set(aligned)
+    found = (_node_error(name, values[name], nodes[name], producers, cut, introduced[name], accumulated[name],
+                         tolerance) for name in aligned)
     errors = [error for error in found if error is not None]
     first = next((e for e in errors if e.beyond), None)
     ranked = sorted(errors, key=lambda e: _ratio(e, tolerance), reverse=True)
@@ -156,7 +158,7 @@ def localize(
 
 def _torch_values(
     program: torch.export.ExportedProgram, feeds: dict[str, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.fx.Node], list[Any]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.fx.Node], list[torch.Tensor | None]]:
     """Every tensor an FX node of ``program`` computes on ``feeds`` (by the placeholders' names,
     which the ONNX graph's inputs bear), the nodes, by name, and the program's flat outputs."""
     module = unchecked_module(program)
@@ -173,7 +175,7 @@ def _torch_values(
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
     with torch.no_grad():
         outputs = Recording(module).run(*[feeds.get(name) for name in placeholders])
-    return values, nodes, [o for o in torch.utils._pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor)]
+    return values, nodes, flat_outputs(outputs)
 
 
 def _exposing(model: Any, names: Sequence[str]) -> Any:
@@ -254,7 +256,7 @@ def _node_error(
 
 def _segment_ops(last: Any, producers: dict[str, Any], cut: set[str]) -> tuple[str, ...]:
     """The op types of the ONNX nodes computing ``last``'s output from cut values, inputs and
-    initializers: the translation of one FX node, in graph order, each type once."""
+    initializers: the translation of one FX node, each type once, ``last``'s the last."""
     segment, pending = [last], list(last.input)
     while pending:
         name = pending.pop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ def as_first_observed(group: ModelGroup) -> torch.nn.Module | None:
     """A copy of the group's module holding the parameters and buffers it had when first
     observed (``None`` when one of them is missing: a module it was in is gone)."""
     module = copy.deepcopy(group.module)
-    parameters: dict[int, torch.nn.Parameter] = {}  # by storage: tied weights stay one parameter
+    parameters: dict[tuple[Any, ...], torch.nn.Parameter] = {}  # by storage: tied weights stay one parameter
     for name, tensor in group.weights.items():
         owner, _, leaf = name.rpartition(".")
         try:
@@ -69,7 +70,7 @@ def as_first_observed(group: ModelGroup) -> torch.nn.Module | None:
         except AttributeError:
             return None
         if leaf in holder._parameters:
-            key = hash((tensor.data_ptr(), tuple(tensor.shape), tensor.stride()))
+            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
             holder._parameters[leaf] = parameters.setdefault(key, torch.nn.Parameter(tensor, requires_grad=False))
         else:
             holder._buffers[leaf] = tensor

@@ -79,7 +79,7 @@ def check_all(
     forked = isolate or jobs > 1
     try:
         if forked:  # in turn, the first export imports and builds them, and a rerun the cache serves needs neither
-            prepare(settings.target, ExportCache(settings.export_dir / "cache") if settings.use_cache else None)
+            prepare(settings.target, ExportCache(settings.cache_dir) if settings.use_cache else None)
     except KeyboardInterrupt:
         yield from map(interrupted, groups)
         return

@@ -32,3 +32,8 @@ class CheckSettings:
     use_cache: bool = True
     dims: str = "roles"
     timeout: float | None = None
+
+    @property
+    def cache_dir(self) -> Path:
+        """The export cache's directory (``cache`` is no model's: see :mod:`..core.paths`)."""
+        return self.export_dir / "cache"
