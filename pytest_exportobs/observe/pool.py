@@ -2,7 +2,7 @@
 
 Each process saves, test by test, what it observed of its groups: once per group a
 :class:`GroupRecord` (the module and its options, to rebuild the group where no other process
-holds an instance), then its new calls (:func:`save_calls`).  The process that checks a model
+holds an instance, :func:`record_bytes`), then its new calls (:func:`calls_bytes`).  The process that checks a model
 absorbs what the others observed of it (:func:`absorb`).  A model is keyed by ``(base name,
 identity)`` (see :mod:`.store`); its name in the pool is the one a single process observing every
 call would give it (:func:`pooled_names`).
@@ -10,6 +10,7 @@ call would give it (:func:`pooled_names`).
 
 from __future__ import annotations
 
+import io
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -52,11 +53,11 @@ class GroupRecord:
     module: torch.nn.Module
 
 
-def save_record(group: ModelGroup, base: str, path: Path) -> None:
-    """Save what rebuilds ``group`` (raises when its module cannot be pickled); transformers'
-    output-capturing hooks are left out (the rebuilt model installs them again)."""
+def record_bytes(group: ModelGroup, base: str) -> bytes:
+    """What rebuilds ``group``, serialized (raises when its module cannot be pickled);
+    transformers' output-capturing hooks are left out (the rebuilt model installs them again)."""
     with without_output_capturing_hooks(group.module):
-        torch.save(GroupRecord(base, group.identity, group.explicit, group.options, group.module), path)
+        return _serialized(GroupRecord(base, group.identity, group.explicit, group.options, group.module))
 
 
 def rebuilt(path: Path) -> ModelGroup:
@@ -68,8 +69,15 @@ def rebuilt(path: Path) -> ModelGroup:
                       parameters=parameter_shapes(record.module), weights=held_weights(record.module))
 
 
-def save_calls(observations: list[Observation], sources: list[str], path: Path) -> None:
-    torch.save(SavedCalls(observations, sources), path)
+def calls_bytes(observations: list[Observation], sources: list[str]) -> bytes:
+    return _serialized(SavedCalls(observations, sources))
+
+
+def _serialized(value: Any) -> bytes:
+    """``value`` in torch's format (tensors as raw storage), as bytes a file or xdist's channel takes."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def tally(recorder: CallRecorder) -> dict[str, Any]:

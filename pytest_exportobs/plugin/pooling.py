@@ -1,16 +1,26 @@
-"""Under xdist, the observations of one model made on several workers meet on one worker.
+"""Under xdist, the observations of one model made on several workers meet in one process.
 
 Tests spread over the workers as ``--dist load`` spreads them, so a model that tests call
-through ``watch()`` or ``--export-observe`` is observed on several.  Each worker saves, after
-every test that observed, what it recorded to a directory the controller shares with the
-workers (once per model its module and options, then the new calls), so that a worker that
-crashes loses only the calls of the test it crashed in.  At the end of the session each worker
-writes a manifest of its models.  Once every worker has written one (or went down, which the
-controller marks), each worker names the models as one process observing every call would, and
-claims models one by one, most observed first: those it holds an instance of, then those only a
-crashed worker held (rebuilt from the module it saved).  A claim is a file created exclusively,
-so each model is checked once while the checks spread over the workers; the claiming worker
-absorbs what the others observed of the model before checking it.
+through ``watch()`` or ``--export-observe`` is observed on several.  The controller creates a
+directory the models are pooled in; after every test that observed, each worker saves what it
+recorded (once per model its module and options, then the new calls), so that a worker that
+crashes loses only the calls of the test it crashed in:
+
+* a worker that sees the directory (one machine) writes there itself (:class:`Pool`);
+* a worker that does not (another host: ``--tx ssh=...``, ``--tx socket=...``) sends the same
+  saves through xdist's channel, and the controller writes them there (:mod:`.relay`).
+
+At the end of the session every worker's manifest (its models and their call counts) is in the
+directory, or the worker went down, which the controller marks.  Then each worker that sees the
+directory names the models as one process observing every call would, and claims models one by
+one, most observed first: those it holds an instance of, then those no such worker holds (a
+crashed or a remote worker's, rebuilt from the module it saved).  A claim is a file created
+exclusively, so each model is checked once while the checks spread over the workers; the
+claiming worker absorbs what the others observed of the model before checking it.  What no
+worker claimed (every worker remote) the controller claims and checks itself.
+
+Saves are plain data (dicts of str, int and bytes: what xdist's channel carries); a module and
+its calls are torch's serialized format inside them.
 """
 
 from __future__ import annotations
@@ -19,8 +29,9 @@ import functools
 import hashlib
 import json
 import os
+import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +41,25 @@ from ..core.files import json_text, write_atomic
 from ..core.text import error_line
 
 POOL_KEY = "exportobs_pool"  # workerinput: the directory the workers pool their observations in
+TOKEN_KEY = "exportobs_pool_token"  # workerinput: the token file's text, which tells a worker it sees it
 WAIT_SECONDS = 600.0  # the longest a worker waits for the others' manifests (they follow the last test)
 _POLL_SECONDS = 0.05
 Key = tuple[str, str]  # (base name, identity), as observe.pool keys a model
+Save = dict[str, Any]  # one model's new calls (and on its first save, what rebuilds it)
+
+
+def open_pool(directory: Path) -> str:
+    """On the controller: make the pool directory; the token a worker reads there to know it
+    sees it."""
+    directory.mkdir()
+    token = secrets.token_hex(8)
+    (directory / "token").write_text(token, encoding="utf-8")
+    return token
+
+
+def admit(directory: Path, worker: str) -> None:
+    """On the controller, as it starts ``worker``: the others wait for its manifest."""
+    (directory / f"ready-{worker}").touch()
 
 
 def mark_down(directory: Path, worker: str) -> None:
@@ -54,58 +81,85 @@ def offered(directory: Path, worker: str) -> bool:
     return _manifest(directory, worker).exists()
 
 
-class Pool:
-    """One worker's side of the pool in ``directory``."""
+def write_saves(directory: Path, worker: str, saves: Iterable[Save]) -> None:
+    """Write ``worker``'s saves (on the controller: a remote worker's, as it would have)."""
+    for save in saves:
+        _write(directory, worker, save)
 
-    def __init__(self, directory: Path, worker: str):
-        self.directory = directory
+
+class Saves:
+    """One worker's saves: what its store recorded since the last save."""
+
+    def __init__(self, worker: str):
         self.worker = worker
         self.notes: list[str] = []
         self._saved: dict[Key, int] = {}  # model -> the number of its calls saved so far
 
-    @classmethod
-    def of(cls, config: pytest.Config) -> Pool | None:
-        """The pool the controller set up for this worker, ``None`` outside xdist."""
-        workerinput = getattr(config, "workerinput", {})
-        directory = workerinput.get(POOL_KEY)
-        return None if directory is None else cls(Path(directory), workerinput["workerid"])
+    def since_last(self, store: Any) -> list[Save]:
+        """Per model with something new: the module and options the first time, the new calls."""
+        from ..observe.pool import calls_bytes, record_bytes
 
-    def join(self) -> None:
-        """Say, before collecting, that this worker will write a manifest."""
-        (self.directory / f"ready-{self.worker}").touch()
-
-    def save(self, store: Any) -> None:
-        """Save what ``store`` recorded since the last call: a model's module and options the
-        first time, then its new calls."""
-        from ..observe.pool import save_calls, save_record
-
+        saves = []
         for name, key in store.keys().items():
-            group, folder = store.groups[name], self._folder(self.worker, key)
+            group, save = store.groups[name], {"key": list(key), "first": self._saved.get(key, 0)}
             if key not in self._saved:
-                folder.mkdir(parents=True)
                 try:
-                    save_record(group, key[0], folder / "group.pt")
+                    save["record"] = record_bytes(group, key[0])
                 except Exception as e:  # a module pickle cannot take (a class defined in a function)
                     self.notes.append(f"exportobs: {name} could not be saved for the other workers "
                                       f"({error_line(e)}): a crash of {self.worker} would lose it")
-                write_atomic(folder / "key.json", json_text({"base": key[0], "identity": key[1],
-                                                             "order": len(self._saved)}))
+                    save["record"] = None
+                save["order"] = len(self._saved)
                 self._saved[key] = 0
             calls = group.recorder.observations[self._saved[key]:]
             if calls:
-                save_calls(calls, group.sources, folder / f"calls-{self._saved[key]:04d}.pt")
+                save["calls"] = calls_bytes(calls, group.sources)
                 self._saved[key] += len(calls)
+            if len(save) > 2:
+                saves.append(save)
+        return saves
 
-    def offer(self, store: Any) -> None:
-        """Save what is left of ``store`` (``None``: nothing observed), then the manifest: per
-        model its :func:`~..observe.pool.tally` (one count per observation kept)."""
+    @staticmethod
+    def manifest(store: Any) -> dict[str, Any]:
+        """Per model its :func:`~..observe.pool.tally` (``store`` ``None``: nothing observed)."""
+        if store is None:
+            return {"models": []}
         from ..observe.pool import tally
 
+        return {"models": [{"base": base, "identity": ident, "tally": tally(store.groups[name].recorder)}
+                           for name, (base, ident) in sorted(store.keys().items())]}
+
+
+class Pool:
+    """A process's side of the pool in ``directory``: a worker's (or the controller's, which
+    claims what no worker did)."""
+
+    def __init__(self, directory: Path, worker: str):
+        self.directory = directory
+        self.worker = worker
+        self.saves = Saves(worker)
+
+    @classmethod
+    def of(cls, config: pytest.Config) -> Pool | None:
+        """The pool of an xdist worker that sees the controller's directory."""
+        workerinput = getattr(config, "workerinput", None)
+        if workerinput is None or not sees(workerinput):
+            return None
+        return cls(Path(workerinput[POOL_KEY]), workerinput["workerid"])
+
+    @property
+    def notes(self) -> list[str]:
+        return self.saves.notes
+
+    def save(self, store: Any) -> None:
+        """Save what ``store`` recorded since the last call."""
+        write_saves(self.directory, self.worker, self.saves.since_last(store))
+
+    def offer(self, store: Any) -> None:
+        """Save what is left of ``store`` (``None``: nothing observed), then the manifest."""
         if store is not None:
             self.save(store)
-        models = [{"base": base, "identity": ident, "tally": tally(store.groups[name].recorder)}
-                  for name, (base, ident) in sorted(({} if store is None else store.keys()).items())]
-        write_atomic(_manifest(self.directory, self.worker), json_text({"models": models}))
+        write_manifest(self.directory, self.worker, Saves.manifest(store))
 
     def wait(self, clock: Callable[[], float] = time.monotonic) -> list[str]:
         """Wait until every worker that joined has written its manifest or went down; a note
@@ -124,14 +178,15 @@ class Pool:
     def claims(self, store: Any, position: Callable[[str], int]) -> Iterator[Any]:
         """Name the groups as the pool names them, then yield those this worker claims, each with
         the other workers' calls absorbed in the tests' collection order (``position`` of a
-        node id): its own groups, then those only crashed workers held."""
+        node id): its own groups, then those no live worker that checks holds (those crashed
+        or remote workers held)."""
         from ..observe.pool import absorb, load_calls, rebuilt
 
         held, names = self._held, self._names
         local = {} if store is None else store.keys()
         for name, key in local.items():
             store.rename(name, names[key])
-        live = {key for worker in held if offered(self.directory, worker) for key in held[worker]}
+        live = {key for worker in held if self._checks(worker) for key in held[worker]}
         own = sorted(local.values(), key=lambda k: (-sum(keys.get(k, 0) for keys in held.values()), names[k]))
         orphans = sorted(set(names) - live, key=names.__getitem__)
         for key in own + orphans:
@@ -150,20 +205,20 @@ class Pool:
                            for w in holders if w != self.worker], position)
             yield group
 
-    def renames(self) -> dict[str, dict[str, str]]:
-        """Per worker that wrote no manifest (crashed), the names its tests recorded -> the
-        pooled names (as its own store would have named the models it saw, in order)."""
+    def renames(self, workers: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
+        """Per worker that named none of its models as the pool does (``workers``, by default
+        those that wrote no manifest: crashed), the names its tests recorded -> the pooled names
+        (as its own store would have named the models it saw, in order)."""
         from ..observe.pool import pooled_names
 
-        held, names = self._held, self._names
+        names = self._names
         renames = {}
-        for worker, keys in held.items():
-            if offered(self.directory, worker):
-                continue
-            local = pooled_names(keys)
-            renames[worker] = {local[key]: names[key] for key in keys}
+        for worker in [w for w in self._savers if not offered(self.directory, w)] if workers is None else workers:
+            seen = self._seen(worker)
+            local = pooled_names(seen)
+            renames[worker] = {local[key]: names[key] for key in seen}
             first: dict[str, Key] = {}
-            for key in sorted(keys, key=keys.__getitem__):  # the first identity seen took the base name
+            for key in sorted(seen, key=seen.__getitem__):  # the first identity seen took the base name
                 first.setdefault(key[0], key)
             renames[worker].update({base: names[key] for base, key in first.items()})
         return renames
@@ -188,10 +243,13 @@ class Pool:
             if worker in self._manifests:
                 held[worker] = {key: len(m["tally"]["calls"]) for key, m in self._manifests[worker].items()}
             else:
-                keys = [json.loads(path.read_text(encoding="utf-8"))
-                        for path in (self.directory / worker).glob("*/key.json")]
-                held[worker] = {(k["base"], k["identity"]): k["order"] for k in keys}
+                held[worker] = self._seen(worker)
         return held
+
+    def _seen(self, worker: str) -> dict[Key, int]:
+        """The models ``worker`` saved, each with the order it first saw it in."""
+        keys = [json.loads(path.read_text(encoding="utf-8")) for path in (self.directory / worker).glob("*/key.json")]
+        return {(k["base"], k["identity"]): k["order"] for k in keys}
 
     @functools.cached_property
     def _savers(self) -> list[str]:
@@ -219,11 +277,45 @@ class Pool:
             file.write(f"{self.worker} {name}")
         return True
 
+    def _checks(self, worker: str) -> bool:
+        """Whether ``worker`` checks models: it reached its manifest and sees the directory."""
+        return offered(self.directory, worker) and not (self.directory / f"relayed-{worker}").exists()
+
     def _folder(self, worker: str, key: Key) -> Path:
-        return self.directory / worker / _digest(key)
+        return _folder(self.directory, worker, key)
 
     def _joined(self) -> list[str]:
         return sorted(path.name.removeprefix("ready-") for path in self.directory.glob("ready-*"))
+
+
+def sees(workerinput: dict[str, Any]) -> bool:
+    """Whether this worker sees the directory the controller named (its token file is there)."""
+    try:
+        return Path(workerinput[POOL_KEY], "token").read_text(encoding="utf-8") == workerinput[TOKEN_KEY]
+    except (KeyError, OSError):
+        return False
+
+
+def write_manifest(directory: Path, worker: str, manifest: dict[str, Any]) -> None:
+    """Write ``worker``'s manifest (read as the sign that all its saves are there)."""
+    write_atomic(_manifest(directory, worker), json_text(manifest))
+
+
+def _write(directory: Path, worker: str, save: Save) -> None:
+    """Write one save in ``worker``'s part of the pool: on a model's first, its record and key."""
+    key = (save["key"][0], save["key"][1])
+    folder = _folder(directory, worker, key)
+    if "order" in save:
+        folder.mkdir(parents=True, exist_ok=True)
+        if save["record"] is not None:
+            (folder / "group.pt").write_bytes(save["record"])
+        write_atomic(folder / "key.json", json_text({"base": key[0], "identity": key[1], "order": save["order"]}))
+    if "calls" in save:
+        (folder / f"calls-{save['first']:04d}.pt").write_bytes(save["calls"])
+
+
+def _folder(directory: Path, worker: str, key: Key) -> Path:
+    return directory / worker / _digest(key)
 
 
 def _manifest(directory: Path, worker: str) -> Path:

@@ -1,10 +1,12 @@
 """pytest-xdist support: the tests of a marked model on one worker, results brought to the controller.
 
-The controller shares a directory with the workers (named in ``workerinput``).  Under
+The controller creates a directory for the workers (named in ``workerinput``; a worker on
+another host does not see it).  Under
 ``--dist load`` (the default) the plugin replaces xdist's scheduler with
 :class:`~.scheduling.ModelScheduling`, which sends the tests of one *placement group* to one
 worker: the tests whose markers name a common model, merged transitively, which each worker
-computes from its collection and writes to that directory.  Every other test (those observing
+computes from its collection and writes to that directory (when no worker sees it, a scope is a
+test module, as under ``--dist loadfile``).  Every other test (those observing
 through ``export_observer.watch()`` or ``--export-observe``, whose models are known only when
 they run) is spread as ``--dist load`` spreads it, and the observations of a model made on
 several workers are pooled (:mod:`.pooling`).  Node ids are left as they are.
@@ -22,7 +24,7 @@ import pytest
 
 from ..core.files import json_text, write_atomic
 from .observing import ANNOUNCED_PROPERTY, marked_names
-from .pooling import POOL_KEY
+from .pooling import POOL_KEY, TOKEN_KEY, admit, open_pool
 
 PLACEMENT_KEY = "exportobs_placement"  # workerinput: the directory the workers write their placement to
 OUTPUT_KEY = "exportobs"  # workeroutput: the worker's JSON results
@@ -37,18 +39,15 @@ def is_controller(config: pytest.Config) -> bool:
     return config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") != "no"
 
 
-def shared_directory(config: pytest.Config) -> Path:
+class SharedDirectory:
     """A new directory the workers write their placement and pool their observations in
-    (removed at the end of the session)."""
-    directory = Path(tempfile.mkdtemp(prefix="exportobs-xdist-"))
-    pool_directory(directory).mkdir()
-    config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
-    return directory
+    (removed at the end of the session), and the token that tells a worker it sees it."""
 
-
-def pool_directory(shared: Path) -> Path:
-    """Where the workers pool their observations in the shared directory (see :mod:`.pooling`)."""
-    return shared / "pool"
+    def __init__(self, config: pytest.Config):
+        self.path = Path(tempfile.mkdtemp(prefix="exportobs-xdist-"))
+        config.add_cleanup(lambda: shutil.rmtree(self.path, ignore_errors=True))
+        self.pool = self.path / "pool"
+        self.token = open_pool(self.pool)
 
 
 def schedules(config: pytest.Config) -> bool:
@@ -62,14 +61,17 @@ def make_scheduler(config: pytest.Config, log: Any, directory: Path) -> Any:
     return ModelScheduling(config, log, directory)
 
 
-def configure_node(config: pytest.Config, node: Any, directory: Path) -> None:
-    node.workerinput[POOL_KEY] = str(pool_directory(directory))
+def configure_node(config: pytest.Config, node: Any, shared: SharedDirectory) -> None:
+    node.workerinput[POOL_KEY] = str(shared.pool)
+    node.workerinput[TOKEN_KEY] = shared.token
+    admit(shared.pool, node.gateway.id)
     if schedules(config):
-        node.workerinput[PLACEMENT_KEY] = str(directory)
+        node.workerinput[PLACEMENT_KEY] = str(shared.path)
 
 
 def write_placement(config: pytest.Config, items: Iterable[pytest.Item]) -> None:
-    """Write the placement group of every marked test, when the controller asked for it."""
+    """Write the placement group of every marked test, when the controller asked for it (on a
+    worker that sees the shared directory)."""
     workerinput = config.workerinput  # type: ignore[attr-defined]  # set by xdist on workers
     directory = workerinput.get(PLACEMENT_KEY)
     if directory is not None:

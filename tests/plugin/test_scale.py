@@ -163,6 +163,35 @@ def test_export_jobs_must_be_positive_or_auto(suite: pytest.Pytester, value: str
     result.stderr.fnmatch_lines([f"ERROR: export_jobs must be a positive integer or auto, got '{value}'"])
 
 
+def test_shards_reports_merge_into_the_report_and_baseline_of_one_run(
+    suite: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two CI shards split the tests (the scorer and the encoder share a test: both shards observe
+    them); their reports merge into what one run reports, gated against the full run's baseline."""
+    from pytest_exportobs.gate.merge import main as merge
+
+    _, whole = run(suite, "--export-baseline=whole.json", "--export-baseline-update")
+    shards = {0: "classifier or scorer_and_encoder", 1: "not classifier"}
+    for shard, selection in shards.items():
+        result = suite.runpytest_subprocess(*ARGS, "-k", selection, f"--export-report=shard-{shard}.json")
+        assert result.ret == pytest.ExitCode.OK
+    path = suite.path
+    capsys.readouterr()  # the sessions' output
+    assert merge([str(path / "shard-0.json"), str(path / "shard-1.json"), "--report", str(path / "merged.json"),
+                  "--baseline", str(path / "whole.json")]) == 0
+    assert capsys.readouterr().out == (
+        "exportobs merge: 2 reports, 4 models; exportobs gate: ok (4 passed, 0 regressions)\n")
+    merged = {m["name"]: m for m in json.loads((path / "merged.json").read_text())["models"]}
+    assert verdicts_and_dims(merged) == verdicts_and_dims(whole)
+    assert {name: sorted(m["sources"]) for name, m in merged.items()} == {
+        name: sorted(m["sources"]) for name, m in whole.items()}
+    one_shard = [str(path / "shard-1.json"), "--report", str(path / "one.json"), "--baseline", str(path / "whole.json")]
+    assert merge(one_shard) == 0  # a shard alone misses the classifier
+    assert capsys.readouterr().out == (
+        "exportobs merge: 1 report, 3 models; exportobs gate: ok (3 passed, 1 missing, 0 regressions)\n")
+    assert merge([*one_shard, "--strict"]) == 1
+
+
 @pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["serial", "xdist"])
 def test_a_shard_gates_its_models_against_the_whole_baseline(suite: pytest.Pytester, xdist: list[str]) -> None:
     suite.runpytest_subprocess(*ARGS, "--export-baseline=baseline.json", "--export-baseline-update").assert_outcomes(
@@ -218,6 +247,22 @@ def test_every_process_of_a_checking_session_exits_with_its_heap_frozen(
     counts = dict(line.split() for line in frozen.read_text().splitlines())
     assert counts.keys() == processes
     assert all(int(count) > 100_000 for count in counts.values()), counts  # torch alone holds more
+
+
+# Workers on other hosts do not see the directory the controller names: the hook below names
+# one that is not there for the workers in $REMOTE ("all": every worker, replacements too).
+REMOTE_HOSTS = '''
+
+@pytest.hookimpl(trylast=True)  # after the plugin named its directory
+def pytest_configure_node(node):
+    remote = os.environ.get("REMOTE", "")
+    if remote == "all" or node.gateway.id in remote.split(","):
+        node.workerinput["exportobs_pool"] = "/nonexistent/exportobs-pool"
+'''
+
+
+def counts(models: dict[str, dict]) -> dict[str, tuple[int, int]]:
+    return {name: (m["n_observations"], m["n_calls"]) for name, m in models.items()}
 
 
 TAGGER = '''
@@ -299,14 +344,20 @@ def test_auto_observed_tests_spread_over_the_workers_and_each_model_is_checked_o
         assert {ran_on[f"test_{width}_{i}"] for i in range(6)} == {"gw0", "gw1"}
 
 
-def test_a_worker_killed_by_an_unrelated_test_loses_no_observation(pytester: pytest.Pytester) -> None:
-    """The worker saved its calls after each test: the replacement and the other worker check
-    every model on every call, as a serial run without the killing test does, and nothing hangs."""
+@pytest.mark.parametrize("remote", ["", "all"], ids=["local", "remote"])
+def test_a_worker_killed_by_an_unrelated_test_loses_no_observation(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, remote: str
+) -> None:
+    """The worker saved its calls after each test (a remote one: sent them with its reports): the
+    replacement and the other worker (or the controller) check every model on every call, as a
+    serial run without the killing test does, and nothing hangs."""
     killer = "\n\ndef test_kills_its_worker():\n    record('test_kills_its_worker')\n    os._exit(3)\n"
     pytester.makepyfile(tagger=TAGGER, test_tagger=TAGGER_TESTS + killer)
+    pytester.makeconftest("import os\nimport pytest\n" + REMOTE_HOSTS)
     pytester.syspathinsert()
     observe = ("--export-observe", "tagger.Tagger")
     _, serial = run(pytester, *observe, "-k", "not kills")
+    monkeypatch.setenv("REMOTE", remote)
     result = pytester.runpytest_subprocess(*ARGS, *observe, "-n", "2", "--junitxml=junit.xml",
                                            "--export-report=report.json", timeout=300)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
@@ -314,7 +365,61 @@ def test_a_worker_killed_by_an_unrelated_test_loses_no_observation(pytester: pyt
     assert {k for k, v in cases.items() if v != "passed"} == {"test_tagger::test_kills_its_worker"}
     models = {m["name"]: m for m in json.loads((pytester.path / "report.json").read_text())["models"]}
     assert verdicts_and_dims(models) == verdicts_and_dims(serial)
-    assert {n: (m["n_observations"], m["n_calls"]) for n, m in models.items()} == {n: (6, 12) for n in serial}
+    assert counts(models) == {n: (6, 12) for n in serial}
     ran_on = workers(pytester)
     crashed = ran_on["test_kills_its_worker"]
     assert any(ran_on[t] == crashed for t in ran_on if t.startswith("test_narrow")), ran_on  # it had observed
+
+
+@pytest.mark.parametrize("remote, dist", [("gw1", "load"), ("all", "worksteal")])
+def test_workers_on_other_hosts_pool_through_xdist_and_the_models_are_checked_as_in_a_serial_run(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, remote: str, dist: str
+) -> None:
+    """One remote worker: the local one claims every model and absorbs what the remote one sent.
+    Every worker remote: the controller checks the models itself.  (Without a worker that sees
+    the directory, no placement is written: ``--dist load`` would keep a module's tests on one
+    worker; ``worksteal`` spreads them.)"""
+    suite.makeconftest(CONFTEST + REMOTE_HOSTS)
+    serial_cases, serial = run(suite)
+    monkeypatch.setenv("REMOTE", remote)
+    cases, models = run(suite, "-n", "2", "--dist", dist)
+    assert cases == serial_cases == {**USER_TESTS, **{f"exportobs::{name}": "passed" for name in MODEL_TESTS}}
+    assert verdicts_and_dims(models) == verdicts_and_dims(serial)
+    assert counts(models) == counts(serial)
+    assert counts(models)["watched"] == (2, 2)  # one call on each worker
+    assert set(workers(suite).values()) == {"gw0", "gw1"}
+    assert "exportobs_relay" not in (suite.path / "junit.xml").read_text()  # taken off the reports
+
+
+def test_a_socket_worker_on_another_host_sends_its_observations_through_xdist(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A worker started by execnet's socket server (its own directory, the suite copied there by
+    ``--rsyncdir``) and a local one, each in a directory of its own."""
+    import socket
+    import subprocess
+    import sys
+
+    import execnet.script.socketserver as server
+
+    suite.makeconftest(CONFTEST + REMOTE_HOSTS)
+    _, serial = run(suite)
+    hosts = tmp_path_factory.mktemp("hosts")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with subprocess.Popen([sys.executable, server.__file__, f"127.0.0.1:{port}"], cwd=hosts,
+                          stdout=subprocess.PIPE, text=True) as listener:
+        try:
+            assert listener.stdout is not None and "Entering Accept loop" in listener.stdout.readline()
+            monkeypatch.setenv("REMOTE", "gw0")
+            cases, models = run(suite, "--tx", f"socket=127.0.0.1:{port}//chdir={hosts / 'socket'}",
+                                "--tx", f"popen//chdir={hosts / 'popen'}", "--dist", "load",
+                                "--rsyncdir", str(suite.path), "-W", "ignore::DeprecationWarning", str(suite.path))
+        finally:
+            listener.kill()
+    assert verdicts_and_dims(models) == verdicts_and_dims(serial)
+    assert counts(models) == counts(serial)
+    assert {case.rpartition("::")[2]: outcome for case, outcome in cases.items()} == {
+        case.rpartition("::")[2]: outcome for case, outcome in {
+            **USER_TESTS, **{f"exportobs::{name}": "passed" for name in MODEL_TESTS}}.items()}

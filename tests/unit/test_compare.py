@@ -165,3 +165,26 @@ def test_wrong_arguments_are_a_usage_error(capsys):
         "python -m pytest_exportobs.compare: error: the following arguments are required: new"
     )
 
+
+
+def test_shards_merge_keeping_the_result_that_says_least_and_every_test(tmp_path: Path) -> None:
+    """``python -m pytest_exportobs.merge``: a model two shards observed keeps the failure of one."""
+    from pytest_exportobs.gate.merge import main as merge
+    from pytest_exportobs.gate.reports import Report
+
+    first = report(tmp_path / "a.json", OLD_ENV,
+                   ModelResult("lm", "passed", stage="variations", sources=["test_a.py::test_lm"]),
+                   ModelResult("mlp", "skipped", sources=["test_a.py::test_mlp"]))
+    second = report(tmp_path / "b.json", OLD_ENV,
+                    ModelResult("lm", "failed", stage="verify", sources=["test_b.py::test_lm"]),
+                    ModelResult("mlp", "passed", stage="verify", sources=["test_b.py::test_mlp"]))
+    assert merge([first, second, "--report", str(tmp_path / "merged.json")]) == 1  # lm failed: no baseline
+    merged = {r.name: r for r in Report.load(tmp_path / "merged.json").results}
+    assert {name: (r.verdict, r.stage, r.sources) for name, r in merged.items()} == {
+        "lm": ("failed", "verify", ["test_a.py::test_lm", "test_b.py::test_lm"]),
+        "mlp": ("skipped", "", ["test_a.py::test_mlp", "test_b.py::test_mlp"]),
+    }
+    assert (tmp_path / "merged.md").exists()
+    with pytest.raises(SystemExit):
+        merge([first, "--report", str(tmp_path / "m.json"), "--baseline-update"])  # needs --baseline
+    assert merge([str(tmp_path / "missing.json"), "--report", str(tmp_path / "m.json")]) == 2

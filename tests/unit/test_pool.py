@@ -15,8 +15,8 @@ from pytest_exportobs.core.caches import make_dynamic_cache
 from pytest_exportobs.core.pytrees import register_flattening_functions
 from pytest_exportobs.observe.pool import FOREIGN_INSTANCE, pooled_names
 from pytest_exportobs.observe.store import MAX_OBSERVATIONS, MAX_ORDINARY, ObserveOptions, SessionStore, identity
-from pytest_exportobs.plugin import pooling
-from pytest_exportobs.plugin.pooling import Pool, mark_down
+from pytest_exportobs.plugin import pooling, relay
+from pytest_exportobs.plugin.pooling import Pool, admit, mark_down
 
 
 def observe(store: SessionStore, module: torch.nn.Module, *batches: int, test: str = "test") -> None:
@@ -32,9 +32,8 @@ def collection_order(*tests: str) -> Callable[[str], int]:
 
 
 def worker(directory: Path, name: str) -> Pool:
-    pool = Pool(directory, name)
-    pool.join()
-    return pool
+    admit(directory, name)  # as the controller does when it starts the worker
+    return Pool(directory, name)
 
 
 def test_two_workers_pool_their_calls_and_each_model_is_checked_once(tmp_path: Path) -> None:
@@ -232,3 +231,91 @@ def test_a_worker_that_went_down_is_not_waited_for_and_a_silent_one_only_until_t
 def test_pooled_names_split_a_base_name_only_when_several_identities_share_it() -> None:
     assert pooled_names([("lm", "A-1"), ("Bert", "B-2"), ("lm", "A-1"), ("Bert", "B-3")]) == {
         ("lm", "A-1"): "lm", ("Bert", "B-2"): "Bert[B-2]", ("Bert", "B-3"): "Bert[B-3]"}
+
+
+def remote(directory: Path, name: str, roots: list[str] | None = None) -> relay.Relay:
+    """A worker on another host: the controller admits it, it writes nothing in ``directory``."""
+    admit(directory, name)
+    return relay.Relay(name, roots or [])
+
+
+def relayed(directory: Path, worker: str, properties: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """What the controller does with a remote worker's test report: its saves written into the
+    pool, the report's other properties left."""
+    report = pytest.TestReport("test", ("test.py", 0, "test"), {}, "passed", None, "teardown",
+                               user_properties=properties)
+    pooling.write_saves(directory, worker, relay.taken_relays(report))
+    return report.user_properties
+
+
+def test_a_remote_workers_calls_travel_on_its_reports_and_a_local_worker_checks_its_model(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    local, far = worker(tmp_path, "gw0"), remote(tmp_path, "gw1", roots=["tests"])
+    store0, store1 = SessionStore(), SessionStore()
+    model0, model1, only_far = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2), torch.nn.Linear(6, 2)
+    observe(store0, model0, 2, test="test_a")
+    observe(store1, model1, 3, test="test_b")
+    properties: list[tuple[str, object]] = [("metric", 1)]
+    far.save(store1, properties)  # after test_b: on its teardown report
+    (save,) = [value for key, value in properties if key == relay.RELAY_PROPERTY]
+    assert sorted(save) == ["calls", "first", "key", "order", "record", "roots"]  # type: ignore[arg-type]
+    assert {type(value) for value in save.values()} <= {list, int, bytes}  # type: ignore[union-attr]
+    assert relayed(tmp_path, "gw1", properties) == [("metric", 1)]
+    observe(store1, model1, 5, test="test_c")  # sent with the worker's output, as it goes down
+    observe(store1, only_far, 7, test="test_d")
+    relay.write_offer(tmp_path, "gw1", far.offer(store1))
+    mark_down(tmp_path, "gw1")
+
+    local.offer(store0)
+    assert local.wait() == []
+    order = collection_order("test_a[2]", "test_b[3]", "test_c[5]", "test_d[7]")
+    claimed = list(local.claims(store0, order))
+    shared_name, far_name = f"Linear[{identity(model0)}]", f"Linear[{identity(only_far)}]"
+    assert [g.name for g in claimed] == [shared_name, far_name]  # its own, then the one no local worker holds
+    shared, rebuilt = claimed
+    assert shared.module is model0 and [tuple(o.args[0].shape) for o in shared.recorder.observations] == [
+        (2, 4), (3, 4), (5, 4)]
+    assert type(rebuilt.module) is torch.nn.Linear and rebuilt.module is not only_far
+    torch.testing.assert_close(rebuilt.module.weight, only_far.weight)
+    assert list(pooling.Pool(tmp_path, "controller").claims(None, order)) == []  # nothing left for it
+    assert local.renames() == {}  # gw1 wrote a manifest (through the controller): not a crashed worker
+    assert pooling.Pool(tmp_path, "controller").renames(["gw1"]) == {  # what its tests recorded -> pooled
+        "gw1": {shared_name: shared_name, far_name: far_name, "Linear": shared_name}}
+
+
+def test_when_every_worker_is_remote_the_controller_claims_every_model(tmp_path: Path) -> None:
+    gw0, gw1 = remote(tmp_path, "gw0"), remote(tmp_path, "gw1")
+    store0, store1 = SessionStore(), SessionStore()
+    model0, model1 = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    observe(store0, model0, 2, 3, test="test_a")
+    observe(store1, model1, 5, test="test_b")
+    for name, side, store in (("gw0", gw0, store0), ("gw1", gw1, store1)):
+        relay.write_offer(tmp_path, name, side.offer(store))
+        mark_down(tmp_path, name)
+    (group,) = pooling.Pool(tmp_path, "controller").claims(
+        None, collection_order("test_a[2]", "test_a[3]", "test_b[5]"))
+    assert group.name == "Linear" and group.sources == ["test_a[2]", "test_a[3]", "test_b[5]"]
+    assert [(tuple(o.args[0].shape), o.instance) for o in group.recorder.observations] == [
+        ((2, 4), FOREIGN_INSTANCE), ((3, 4), FOREIGN_INSTANCE), ((5, 4), FOREIGN_INSTANCE)]
+    assert pooling.claimed(tmp_path) == {"Linear": "controller"}
+
+
+def test_a_worker_sees_the_pool_only_where_the_controller_wrote_its_token(tmp_path: Path) -> None:
+    token = pooling.open_pool(tmp_path / "pool")
+    here = {"workerid": "gw0", pooling.POOL_KEY: str(tmp_path / "pool"), pooling.TOKEN_KEY: token}
+    assert pooling.sees(here)
+    assert not pooling.sees({**here, pooling.TOKEN_KEY: "another session's"})
+    assert not pooling.sees({**here, pooling.POOL_KEY: str(tmp_path / "elsewhere")})
+    assert not pooling.sees({"workerid": "gw0"})  # a controller that named none
+
+
+def test_a_remote_workers_import_roots_are_found_under_the_rootdir_or_beside_the_paths_given(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (pytester.path / "suite" / "tests").mkdir(parents=True)
+    config = pytester.parseconfig(str(pytester.path / "suite"))
+    monkeypatch.setattr("sys.path", [str(config.rootpath / "suite" / "tests"), "/elsewhere", ""])
+    assert relay.import_roots(config) == ["suite/tests", "."]
+    # a worker whose rootdir was the copy of ``suite`` (--rsyncdir) sent "tests": here under suite/
+    assert relay.import_paths(config, ["tests", "suite/tests", "missing"]) == [
+        str(pytester.path / "suite" / "tests")]
