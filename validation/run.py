@@ -206,6 +206,26 @@ def table(result: Measured) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load_summary(path: Path) -> list[Measured]:
+    """The measurements a run wrote to ``summary.json`` (``validation/results/`` keeps the published ones)."""
+    results = []
+    for data in json.loads(path.read_text()):
+        groups = [Group(**group) for group in data.pop("groups")]
+        results.append(Measured(**data, groups=groups))
+    return results
+
+
+def compatibility_page(paths: list[Path]) -> str:
+    """The documentation's compatibility page: one table per published measurement."""
+    intro = ("# Compatibility: real suites\n\nGenerated from `validation/results/*.json` (what "
+             "`python validation/run.py` wrote to `summary.json`; see [the validation guide](validation.md)). "
+             "Each section is one project's own model tests, run once without the plugin and once with every "
+             "model observed, no test edited; \"with it\" is the run the table's verdicts come from "
+             "(llama, gpt2 and timm: a rerun on the first run's export cache; the first run's cost is in "
+             "[Benchmarks](benchmarks.md)).\n")
+    return "\n".join([intro, *(table(result) for path in sorted(paths) for result in load_summary(path))])
+
+
 def main_groups(unit: Unit, groups: list[Group]) -> dict[str, str]:
     """``{label: group name}``: per main test of the unit, the group its calls made (timm:
     ``forward``, ``backward``); else the group with most calls (``main``)."""

@@ -19,6 +19,8 @@ import pytest
 import torch
 from torch.utils import _pytree
 
+pytestmark = pytest.mark.slow  # the example suite's sessions
+
 EXAMPLES = Path(__file__).parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 expectations = importlib.import_module("expectations")

@@ -20,6 +20,8 @@ from transformers import BertConfig, BertForSequenceClassification  # imported b
 
 from models import junit_cases
 
+pytestmark = pytest.mark.slow  # the example suite's sessions
+
 TEST_BERT = '''
 import pytest, torch
 from transformers import BertConfig, BertForSequenceClassification

@@ -29,6 +29,8 @@ from models import MLP, junit_cases
 from models import QUICK_CHECK as ARGS
 from models import SOURCE as MODELS
 
+pytestmark = pytest.mark.slow  # pytest sessions in subprocesses
+
 CONFTEST = '''
 import contextlib, time
 import pytest, torch

@@ -16,6 +16,8 @@ from pytest_exportobs.gate.baseline import Baseline, BaselineEntry, update_basel
 
 from models import SOURCE as MODELS
 
+pytestmark = pytest.mark.slow  # pytest sessions in subprocesses
+
 TESTS = '''
 import os
 import pytest, torch

@@ -13,6 +13,8 @@ import pytest
 
 from models import QUICK_CHECK, junit_cases
 
+pytestmark = pytest.mark.slow  # pytest sessions in subprocesses
+
 torch = pytest.importorskip("torch")
 
 from pytest_exportobs.observe.autoobserve import (  # noqa: E402

@@ -11,6 +11,8 @@ import pytest
 from models import QUICK_CHECK, junit_cases
 from models import SOURCE as MODELS
 
+pytestmark = pytest.mark.slow  # pytest sessions in subprocesses
+
 CONFTEST = '''
 import pytest, torch
 from models import MLP

@@ -14,6 +14,8 @@ from models import QUICK_CHECK as ARGS
 from models import SOURCE as MODELS
 from models import junit_cases
 
+pytestmark = pytest.mark.slow  # pytest sessions in subprocesses
+
 CONFTEST = '''
 import os
 import pytest, torch

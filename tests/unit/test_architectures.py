@@ -21,6 +21,7 @@ def settings(tmp_path: Path) -> CheckSettings:
     return CheckSettings(export_dir=tmp_path, examples=4, hypothesis_seed=0, use_cache=False)
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_with_transformers_default_experts_exports_and_serves_unseen_sizes(
         tmp_path: Path) -> None:
     """Mixtral's experts run ``grouped_mm`` (transformers 5): torchlib has no translation of it,
@@ -45,6 +46,7 @@ def test_a_mixture_of_experts_with_transformers_default_experts_exports_and_serv
     torch.testing.assert_close(torch.from_numpy(logits), expected, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_in_bfloat16_translates_its_grouped_matmuls_with_offsets(tmp_path: Path) -> None:
     """In bfloat16 the experts run ``aten._grouped_mm`` with offsets, whose torchlib translation
     refuses them ("ragged/MoE is not supported"): transformers' one is used instead."""
@@ -71,6 +73,7 @@ def tiny_mamba() -> torch.nn.Module:
     return transformers.MambaModel(config).eval()
 
 
+@pytest.mark.slow
 def test_a_state_space_models_outputs_hold_its_states_and_its_loop_names_the_installed_line(
         tiny_mamba: torch.nn.Module, tmp_path: Path) -> None:
     """MambaModel returns its hidden states beside a cache of linear-attention layers; its

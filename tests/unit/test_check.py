@@ -324,6 +324,7 @@ def test_a_method_other_than_forward_is_exported(tmp_path: Path) -> None:
     assert result.dims == {"x": {"0": "batch"}}
 
 
+@pytest.mark.slow
 def test_tiny_llama_onnx_axes_carry_the_inferred_names(tiny_llama, tmp_path: Path) -> None:
     """Prefill + decode calls at two batch sizes: the ONNX inputs read input_ids[batch, seq],
     attention_mask[batch, total_seq], caches [batch, 2, past_seq, 16]; ORT runs unseen sizes."""
@@ -649,6 +650,7 @@ def test_a_model_resized_after_its_calls_is_verified_on_the_weights_the_calls_we
     assert model.embed.num_embeddings == 20  # the instance is left as the test left it
 
 
+@pytest.mark.slow
 def test_a_transformers_model_resized_between_its_calls_is_verified_on_both_sides(tmp_path: Path) -> None:
     """transformers' resize_token_embeddings gives the tied embedding parameter new data: the calls
     before run on the first weights, their head still tied."""
@@ -867,6 +869,7 @@ class Tagger(torch.nn.Module):
         return self.head(self.lstm(frames)[0])
 
 
+@pytest.mark.slow
 def test_two_lstm_models_in_one_process_both_keep_their_sequence_dynamic(tmp_path: Path) -> None:
     for hidden in (16, 24):  # torch 2.13 specialized the second one's sequence (dispatch cache left behind)
         group = observed(Tagger(hidden).eval(), (torch.randn(2, 32, 8),), (torch.randn(3, 20, 8),))
@@ -930,6 +933,7 @@ class SpanLoss(torch.nn.Module):
         return loss, start
 
 
+@pytest.mark.slow
 def test_an_op_whose_translation_fails_is_decomposed_and_translated_again(tmp_path: Path) -> None:
     torch.manual_seed(0)
     calls = [(torch.randn(3, 7, 8), torch.tensor([1, 7, 3])), (torch.randn(2, 5, 8), torch.tensor([4, 0]))]
@@ -1062,6 +1066,7 @@ def test_a_bound_below_a_size_eager_runs_fails_as_specialized(tmp_path: Path) ->
         f" at tests/unit/test_check.py:{line}: if x.shape[1] > 8:")
 
 
+@pytest.mark.slow
 def test_a_sliding_window_the_tests_never_fill_gets_a_length_of_its_own_and_the_onnx_serves_it_full(
         tmp_path: Path) -> None:
     """Gemma-2 under generate(), prompts and outputs shorter than its window of 16: every call's
@@ -1106,6 +1111,7 @@ def test_a_sliding_window_the_tests_never_fill_gets_a_length_of_its_own_and_the_
         torch.testing.assert_close(torch.from_numpy(runner(leaves)[0]), expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_llava_prefill_keeps_its_image_batch_dynamic_and_serves_unseen_batches(tmp_path: Path) -> None:
     """LLaVA makes its image features a Python list (one entry per image) and checks the image
     token count with a tensor condition: export_patches keep the batch dynamic, and the check's

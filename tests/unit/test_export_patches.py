@@ -47,6 +47,7 @@ def test_generate_records_extra_keywords_torch_needs_patches_for(observed_genera
     assert shapes == expected
 
 
+@pytest.mark.slow
 def test_export_from_the_default_arguments_succeeds_and_matches_the_decode_steps(observed_generate):
     model, observer = observed_generate
     program = export(model, observer, observer.infer_arguments())
@@ -57,6 +58,7 @@ def test_export_from_the_default_arguments_succeeds_and_matches_the_decode_steps
     assert max(row["abs"] for row in rows[1:]) < 1e-4
 
 
+@pytest.mark.slow
 def test_export_from_the_prefill_matches_every_recorded_call(observed_generate):
     model, observer = observed_generate
     program = export(model, observer, observer.infer_arguments(0))

@@ -137,6 +137,7 @@ def test_a_program_that_differs_from_eager_is_not_blamed_on_the_translation(tmp_
                                       "eager already (max |Δ| 0.5:")
 
 
+@pytest.mark.slow
 def test_float16_rounding_that_only_accumulates_blames_no_node(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Residual().to(torch.float16).eval()

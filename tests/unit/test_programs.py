@@ -52,6 +52,7 @@ except Exception as e:
 '''
 
 
+@pytest.mark.slow
 def test_a_saved_program_of_a_cached_decoder_loads_in_a_fresh_process_and_serves_new_sizes(tmp_path: Path) -> None:
     import transformers
 

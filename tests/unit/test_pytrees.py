@@ -527,6 +527,7 @@ def test_onnx_export_matches_eager_on_other_sizes(cache_utils, kind):
     torch.testing.assert_close(torch.from_numpy(got), model(*inputs), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_tiny_llama_with_a_dynamic_cache_exports_to_onnx(cache_utils):
     ort = pytest.importorskip("onnxruntime")
     from transformers import LlamaForCausalLM

@@ -59,6 +59,7 @@ def max_abs_diff(output: str) -> float:
     return float(found.group(1))
 
 
+@pytest.mark.slow
 def test_torch_export_failure_reproduces_with_the_same_exception(mymodels, tmp_path):
     model = mymodels.Branchy().eval()
     shapes = observed_shapes(model, [{"x": torch.randn(2, 4)}, {"x": torch.randn(3, 4)}])
@@ -76,6 +77,7 @@ def test_torch_export_failure_reproduces_with_the_same_exception(mymodels, tmp_p
     assert outcome.error_type in completed.stderr
 
 
+@pytest.mark.slow
 def test_a_model_built_from_a_config_mapping_is_rebuilt_with_from_config(mymodels, tmp_path):
     model = mymodels.FromConfig(width=6).eval()
     shapes = observed_shapes(model, [{"x": torch.randn(2, 6)}, {"x": torch.randn(3, 6)}])
@@ -93,6 +95,7 @@ def test_a_model_built_from_a_config_mapping_is_rebuilt_with_from_config(mymodel
     assert outcome.error_type in completed.stderr
 
 
+@pytest.mark.slow
 def test_verify_beyond_tolerance_exits_1_with_the_max_diff(mymodels, tmp_path):
     torch.manual_seed(0)
     model = mymodels.Scorer().eval()
@@ -107,6 +110,7 @@ def test_verify_beyond_tolerance_exits_1_with_the_max_diff(mymodels, tmp_path):
     assert (tmp_path / "repro" / "model.onnx").exists()
 
 
+@pytest.mark.slow
 def test_observed_method_exported_with_torch_within_tolerance_exits_0(mymodels, tmp_path):
     model = mymodels.Scorer().eval()
     shapes = observed_shapes(model, [{"x": torch.randn(2, 16)}, {"x": torch.randn(3, 16)}], method="encode")
@@ -120,6 +124,7 @@ def test_observed_method_exported_with_torch_within_tolerance_exits_0(mymodels, 
     assert "within tolerance" in completed.stdout
 
 
+@pytest.mark.slow
 def test_class_defined_in_a_function_needs_the_user(tmp_path):
     class Local(torch.nn.Module):
         def __init__(self):
@@ -172,6 +177,7 @@ def test_unknown_stage_is_an_error(mymodels, tmp_path):
                     target="onnx", method="forward", atol=None, rtol=None)
 
 
+@pytest.mark.slow
 def test_llama_with_dynamic_cache_is_rebuilt_from_its_config(tmp_path):
     transformers = pytest.importorskip("transformers")
     from pytest_exportobs.core.caches import make_dynamic_cache
@@ -204,6 +210,7 @@ def test_llama_with_dynamic_cache_is_rebuilt_from_its_config(tmp_path):
     assert max_abs_diff(completed.stdout) > 0
 
 
+@pytest.mark.slow
 def test_localize_names_the_first_node_beyond_tolerance_and_its_line(mymodels, tmp_path):
     """With a tolerance of 0 the first node that rounds otherwise than torch is the culprit."""
     torch.manual_seed(0)

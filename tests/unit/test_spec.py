@@ -69,6 +69,7 @@ def test_a_spec_on_an_older_torch_is_a_clear_error(llama: torch.nn.Module) -> No
         observed(llama).infer_dynamic_shapes(as_spec=True)
 
 
+@pytest.mark.slow
 def test_the_engine_says_which_form_of_dims_torch_was_given(llama: torch.nn.Module, tmp_path: Path) -> None:
     store = SessionStore()
     with store.observe(llama, "llama", ObserveOptions(), "t") as group, torch.no_grad():

@@ -215,6 +215,7 @@ def static_named_axes(program: torch.export.ExportedProgram, result: dict[str, A
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*EXPORTED, "t5", "whisper"])
 def test_torch_export_keeps_every_named_axis_dynamic(name):
     result = build(name)
@@ -242,6 +243,7 @@ def test_use_dyn_not_str_lets_torch_export_take_the_string_axes():
     assert static_named_axes(program, result) == []
 
 
+@pytest.mark.slow
 def test_static_cache_exports_to_onnx_and_matches_eager(tmp_path):
     import onnxruntime
 

@@ -261,6 +261,7 @@ def test_position_ids_of_decode_steps_stay_arange_like(tmp_path):
     assert outcome.tried >= 2 and outcome.invalid == 0 and outcome.failed == 0
 
 
+@pytest.mark.slow
 def test_tiny_llama_variations(tmp_path):
     transformers = pytest.importorskip("transformers")
     from pytest_exportobs.core.caches import make_dynamic_cache

@@ -84,6 +84,7 @@ def test_a_patch_that_changes_what_the_model_computes_fails_the_model_naming_it(
     assert result.reference == "recorded"  # never replaced by the patched eager's outputs
 
 
+@pytest.mark.slow
 def test_paligemma_attending_bidirectionally_fails_where_transformers_masking_patch_makes_it_causal(
         tmp_path: Path) -> None:
     """PaliGemma attends bidirectionally over a prompt whose mask is all ones; under the export

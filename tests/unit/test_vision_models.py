@@ -62,6 +62,7 @@ def test_sides_torch_pins_solving_its_guards_are_kept_static_with_the_line_and_t
         torch.testing.assert_close(run_onnx(result.onnx_path, unseen), model(unseen), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_guessed_side_the_graph_serves_at_the_traced_size_only_is_kept_static_with_the_failing_line(
         tmp_path: Path) -> None:
     """MobileViT at one image size: eager interpolates sides that are no multiple of its patch,
