@@ -135,8 +135,8 @@ class Case:
 
 
 def engine(case: Case, group: Any, export_dir: Path, use_cache: bool) -> Any:
+    from pytest_exportobs.engine.base.settings import CheckSettings
     from pytest_exportobs.engine.check import check_model
-    from pytest_exportobs.engine.settings import CheckSettings
 
     result = check_model(group, CheckSettings(export_dir=export_dir, examples=0, use_cache=use_cache))
     if result.verdict != "passed":

@@ -1,1 +1,2 @@
-"""The library API (the seed's names): a façade over the observe, shapes and engine layers."""
+"""The library API under the peers' names (torch.onnx's ``InputObserver``, onnx-diagnostic's
+helpers): a façade over the observe, shapes and engine layers."""

@@ -1,4 +1,4 @@
-"""Dynamic shapes from explicit sets of inputs (no observation needed): the seed's ``ModelInputs``,
+"""Dynamic shapes from explicit sets of inputs (no observation needed): the peers' ``ModelInputs``,
 ``all_dynamic_shape_from_inputs`` and onnx-diagnostic's ``use_dyn_not_str``.
 
 Transformers caches among the inputs need no ``register_flattening_functions()`` block: these

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ..core.trees import flattening_context
-from ..engine.runtimes import OnnxRunner
-from ..engine.verify import Tolerance, verify_calls
+from ..engine.verify.compare import Tolerance, verify_calls
+from ..engine.verify.runtimes import OnnxRunner
 from ..observe.recorder import CallRecorder, Observation
 from ..shapes.model import ShapeModel
 from ..shapes.spec import spec_api, to_shapes_spec
@@ -66,7 +66,7 @@ class InputObserver(CallRecorder):
     ) -> Arguments:
         """Dynamic shapes for ``torch.export.export`` inferred from the recorded calls.
 
-        Every dimension that varies across calls is ``Dim.DYNAMIC`` (the seed form).
+        Every dimension that varies across calls is ``Dim.DYNAMIC`` (the peers' form).
         ``set_batch_dimension_for`` forces the first dimension of the given inputs (all with
         ``True``) to be dynamic. ``dim_names`` names the dimensions:
 
@@ -125,7 +125,7 @@ class InputObserver(CallRecorder):
         index of a recorded call, or new inputs (a tuple of positional arguments or a dict of
         keyword arguments) to complete in the same way. The result is a tuple (positional
         calls) or a dict; ``as_args_kwargs=True`` always gives ``(args, kwargs)``, ``flat=True``
-        the flat list of leaves. ``index=`` is the seed's keyword for an index.
+        the flat list of leaves. ``index=`` is the peers' keyword for an index.
         """
         shapes, index = self._call_to_complete(index_or_args_or_kwargs if index is None else index)
         aligned = shapes.aligned

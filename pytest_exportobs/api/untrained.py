@@ -2,7 +2,7 @@
 
 :func:`get_untrained_model_with_inputs` shrinks a configuration (a few layers, hidden size 64,
 vocabulary of at most 1000 tokens...), builds the model for the task the configuration implies,
-and returns inputs for one forward call with their dynamic shapes named in the seed form
+and returns inputs for one forward call with their dynamic shapes named in the peers' form
 (``{0: "batch", 1: "seq"}``, one dict per flattened cache tensor).
 """
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .pytrees import cache_registration
+from .cache_pytrees import cache_registration
 
 _TREE_TYPE = re.compile(r'type\\*"\s*:\s*\\*"([A-Za-z_][\w.]*\.[A-Za-z_]\w*)')  # in the (escaped) tree specs
 

@@ -18,7 +18,7 @@ def flattening_context() -> contextlib.AbstractContextManager:
     """
     if "transformers" not in sys.modules:
         return contextlib.nullcontext()
-    from .pytrees import cache_registration
+    from .cache_pytrees import cache_registration
 
     return cache_registration()
 

@@ -29,15 +29,15 @@ from ..observe.store import ModelGroup
 from ..observe.structures import structure_difference
 from ..shapes.inference import DimPolicy
 from ..shapes.model import ShapeModel
-from .environment import EnvironmentProblem
+from .base.environment import EnvironmentProblem
+from .base.result import GraphResult, ModelResult
+from .base.settings import CheckSettings
+from .export.tracing_patches import TracingPatches
 from .graph import GraphCheck, ModelContext
-from .graphs import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
-from .patches import TracingPatches
-from .references import ReferenceFailed, references
-from .resized import sides
-from .result import GraphResult, ModelResult
-from .settings import CheckSettings
-from .verify import Tolerance
+from .planning import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
+from .verify.compare import Tolerance
+from .verify.references import ReferenceFailed, references
+from .verify.resized import sides
 
 Progress = Callable[[Stage, str], None]  # the stage a check reached, on which graph ("": the model)
 T = TypeVar("T")

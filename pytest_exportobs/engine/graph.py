@@ -23,23 +23,23 @@ from ..observe.recorder import Observation
 from ..observe.store import ModelGroup
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import export_sizes
-from .cache import ExportCache
-from .domain import conditions
-from .eager import call_model
-from .environment import writing
-from .export import ExportOutcome, export_model, traced_program
-from .graphs import GraphPlan
-from .localize import localize_call
-from .origins import failure_line
-from .patches import TracingPatches
-from .probe import SizeProbe, probe_unvaried_dims
-from .references import Reproduction, refreshed, reproduction
+from .base.eager import call_model
+from .base.environment import writing
+from .base.origins import failure_line
+from .base.result import GraphResult
+from .base.settings import CheckSettings
+from .explore.localize import localize_call
+from .explore.variations import VariationOutcome, explore
+from .export.cache import ExportCache
+from .export.domain import conditions
+from .export.pipeline import ExportOutcome, export_model, traced_program
+from .export.probe import SizeProbe, probe_unvaried_dims
+from .export.tracing_patches import TracingPatches
+from .planning import GraphPlan
 from .repro import write_repro
-from .result import GraphResult
-from .runtimes import Unrunnable, onnx_runner, program_runner
-from .settings import CheckSettings
-from .variations import VariationOutcome, explore
-from .verify import OutputLayout, Tolerance, padded_note, verify_calls
+from .verify.compare import OutputLayout, Tolerance, padded_note, verify_calls
+from .verify.references import Reproduction, refreshed, reproduction
+from .verify.runtimes import Unrunnable, onnx_runner, program_runner
 
 T = TypeVar("T")
 Runner = Callable[[list[Any]], list[Any]]

@@ -219,8 +219,8 @@ def _imports(flow: str, builder: _Builder, transformers: bool) -> str:
     third_party = ["import onnx", "import onnxruntime"] * (flow == "onnx") + [
         "import torch", "from torch.utils import _pytree"]
     ours = [f"from pytest_exportobs import {'register_flattening_functions' if transformers else 'export_patches'}"] + [
-        "from pytest_exportobs.engine.localize import localize"] * (flow == "onnx") + [
-        "from pytest_exportobs.engine.verify import Tolerance, compare"] * (flow != "torch.export")
+        "from pytest_exportobs.engine.explore.localize import localize"] * (flow == "onnx") + [
+        "from pytest_exportobs.engine.verify.compare import Tolerance, compare"] * (flow != "torch.export")
     return "\n\n".join("\n".join(group) for group in (standard, third_party, builder.imports, ours) if group)
 
 

@@ -26,11 +26,11 @@ import torch
 
 from ..core.vocabulary import Kind, Stage, Verdict
 from ..observe.store import ModelGroup
-from .cache import ExportCache
+from .base.result import ModelResult
+from .base.settings import CheckSettings
 from .check import check_model
-from .export import prepare
-from .result import ModelResult
-from .settings import CheckSettings
+from .export.cache import ExportCache
+from .export.pipeline import prepare
 
 _STEP_WORDS = {Stage.TORCH_EXPORT: "export"}  # the export step runs torch.export and the translation
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from ..core.files import json_text, write_atomic
 from ..core.vocabulary import Verdict
-from ..engine.result import ModelResult
+from ..engine.base.result import ModelResult
 
 SCHEMA_VERSION = 1
 VERDICTS = (Verdict.FAILED, Verdict.INCOMPLETE, Verdict.PASSED, Verdict.SKIPPED)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..core.text import format_dims
 from ..core.vocabulary import STAGES_WITH_DIMS, Verdict
-from ..engine.result import ModelResult
+from ..engine.base.result import ModelResult
 from .baseline import Baseline, BaselineEntry, session_env
 
 # Gate outcomes besides passed / failed / skipped.

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterable
 
 from ..core.vocabulary import Verdict
-from ..engine.result import ModelResult
+from ..engine.base.result import ModelResult
 from .baseline import Baseline, BaselineError, session_env, update_baseline
 from .judge import gate
 from .reports import Report, write_reports

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..core.files import json_text, write_atomic
 from ..core.vocabulary import Verdict
-from ..engine.result import ModelResult
+from ..engine.base.result import ModelResult
 from .baseline import CHECKS, Checks, dict_of, is_a, list_of, load_json, require, require_version, validated_model
 from .judge import Gate, GateEntry
 

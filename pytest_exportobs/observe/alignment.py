@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-from ..core.strings import string_type
+from ..core.string_type import string_type
 from ..core.trees import spec_paths, spec_structure
 from .binding import (
     CONSTANT_TYPES,

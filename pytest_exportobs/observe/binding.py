@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-from ..core.strings import string_type
+from ..core.string_type import string_type
 
 CONSTANT_TYPES = (int, float, bool, str)
 

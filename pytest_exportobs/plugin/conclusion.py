@@ -17,7 +17,7 @@ import pytest
 from ..core.paths import require_writable_directory
 from ..core.versions import package_versions
 from ..core.vocabulary import Kind, Stage, Verdict
-from ..engine.result import ModelResult
+from ..engine.base.result import ModelResult
 from ..gate.baseline import Baseline, BaselineError, BaselineUpdate, update_baseline
 from ..gate.judge import Gate, gate
 from .options import Options

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import pytest
 
-from ..engine.settings import DIM_MODES, TARGETS, CheckSettings
+from ..engine.base.settings import DIM_MODES, TARGETS, CheckSettings
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 
 from ..core.text import format_dims
 from ..core.vocabulary import Kind
-from ..engine.result import ModelResult
+from ..engine.base.result import ModelResult
 from ..gate.judge import Gate, GateEntry
 
 PREFIX = "exportobs::"

@@ -97,7 +97,7 @@ class Saves:
 
     def since_last(self, store: Any) -> list[Save]:
         """Per model with something new: the module and options the first time, the new calls."""
-        from ..observe.pool import calls_bytes, record_bytes
+        from ..observe.transfer import calls_bytes, record_bytes
 
         saves = []
         for name, key in store.keys().items():
@@ -124,7 +124,7 @@ class Saves:
         """Per model its :func:`~..observe.pool.tally` (``store`` ``None``: nothing observed)."""
         if store is None:
             return {"models": []}
-        from ..observe.pool import tally
+        from ..observe.transfer import tally
 
         return {"models": [{"base": base, "identity": ident, "tally": tally(store.groups[name].recorder)}
                            for name, (base, ident) in sorted(store.keys().items())]}
@@ -180,7 +180,7 @@ class Pool:
         the other workers' calls absorbed in the tests' collection order (``position`` of a
         node id): its own groups, then those no live worker that checks holds (those crashed
         or remote workers held)."""
-        from ..observe.pool import absorb, load_calls, rebuilt
+        from ..observe.transfer import absorb, load_calls, rebuilt
 
         held, names = self._held, self._names
         local = {} if store is None else store.keys()
@@ -209,7 +209,7 @@ class Pool:
         """Per worker that named none of its models as the pool does (``workers``, by default
         those that wrote no manifest: crashed), the names its tests recorded -> the pooled names
         (as its own store would have named the models it saw, in order)."""
-        from ..observe.pool import pooled_names
+        from ..observe.transfer import pooled_names
 
         names = self._names
         renames = {}
@@ -263,7 +263,7 @@ class Pool:
     @functools.cached_property
     def _names(self) -> dict[Key, str]:
         """Every pooled model's name, as one process observing every call would give it."""
-        from ..observe.pool import pooled_names
+        from ..observe.transfer import pooled_names
 
         return pooled_names(key for keys in self._held.values() for key in keys)
 

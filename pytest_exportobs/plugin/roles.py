@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from ..core.vocabulary import Verdict
-from ..engine.result import ModelResult
+from ..engine.base.result import ModelResult
 from . import xdist
 from .conclusion import Concluding, incomplete, progress_writer
 from .observing import ANNOUNCED_PROPERTY, OBSERVED_PROPERTY, Observing

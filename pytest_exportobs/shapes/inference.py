@@ -17,8 +17,8 @@ import torch
 
 from ..core.vocabulary import AxisRole, DimSource
 from ..observe.alignment import AlignedCalls
+from .axis_roles import Role, axis_roles, cache_kind
 from .dims import Axis, Relation, Variable
-from .roles import Role, axis_roles, cache_kind
 
 Sizes = dict[Axis, list[int | None]]
 
@@ -34,7 +34,7 @@ class DimPolicy:
     static: frozenset[str] = frozenset()
 
 
-AS_OBSERVED = DimPolicy()  # dynamic: what the calls vary (the seed API)
+AS_OBSERVED = DimPolicy()  # dynamic: what the calls vary (the peers' API)
 
 
 def infer_variables(aligned: AlignedCalls, forced: set[Axis], policy: DimPolicy = AS_OBSERVED) -> list[Variable]:
@@ -128,7 +128,7 @@ def _axis_sizes(aligned: AlignedCalls, empty: set[int]) -> Sizes:
 
 
 def _present(aligned: AlignedCalls, axis: Axis, values: list[int | None]) -> list[int | None]:
-    """Sizes of an axis in the calls where its input was present (seed semantics)."""
+    """Sizes of an axis in the calls where its input was present (the peers' semantics)."""
     return [v for v, call in zip(values, aligned.calls) if call[axis[0]] is not None]
 
 

@@ -47,7 +47,7 @@ class ShapeModel:
         policy: DimPolicy = AS_OBSERVED,
     ) -> ShapeModel:
         """Infer variables, relations and names from aligned calls; the default ``policy`` makes
-        dynamic only what the calls vary (the seed API), the plugin adds roles."""
+        dynamic only what the calls vary (the peers' API), the plugin adds roles."""
         forced = forced_batch_axes(aligned, set_batch_dimension_for)
         variables = infer_variables(aligned, forced, policy)
         notes: list[str] = []
@@ -131,7 +131,7 @@ class ShapeModel:
     # -- renderers ------------------------------------------------------------------------------
     def to_dynamic_shapes(self, named: bool = False, constants: bool = True) -> tuple[Any, ...] | dict[str, Any]:
         """Dynamic shapes in the arguments' structure: ``Dim.DYNAMIC`` per dynamic dimension
-        (seed form), or with ``named=True`` one named ``torch.export.Dim`` per variable.
+        (the peers' form), or with ``named=True`` one named ``torch.export.Dim`` per variable.
         A leaf that is no tensor (``None``, int, str inside a nest) gets ``None``; constant
         arguments get ``None``, or are left out with ``constants=False``."""
         if not named:

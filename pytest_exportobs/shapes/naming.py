@@ -5,8 +5,8 @@ from __future__ import annotations
 from ..core.text import identifier
 from ..core.vocabulary import AxisRole
 from ..observe.alignment import AlignedCalls
+from .axis_roles import Role, axis_roles
 from .dims import Axis, Relation, Variable
-from .roles import Role, axis_roles
 
 
 def name_variables(

@@ -12,7 +12,7 @@ import torch
 
 from ..core.vocabulary import StandIn
 from ..observe.alignment import AlignedCalls, Slot
-from .roles import cache_kind
+from .axis_roles import cache_kind
 
 ONES = ("attention_mask", "decoder_attention_mask", "encoder_attention_mask", "pixel_mask")
 ZEROS = ("token_type_ids",)

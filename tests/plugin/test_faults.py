@@ -19,10 +19,10 @@ import torch
 
 from pytest_exportobs.core.vocabulary import Verdict
 from pytest_exportobs.engine import runner
-from pytest_exportobs.engine.export import prepare
-from pytest_exportobs.engine.result import ModelResult
+from pytest_exportobs.engine.base.result import ModelResult
+from pytest_exportobs.engine.base.settings import CheckSettings
+from pytest_exportobs.engine.export.pipeline import prepare
 from pytest_exportobs.engine.runner import ModelTimeout, check_all, time_limit
-from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
 from models import MLP, junit_cases
@@ -309,7 +309,7 @@ def test_interrupted():
 # result of kind ``environment``; this stand-in gives one, so that the plugin's side is tested alone.
 DISK_FULL = '''
 from pytest_exportobs.engine import runner
-from pytest_exportobs.engine.result import ModelResult
+from pytest_exportobs.engine.base.result import ModelResult
 
 checked = runner.check_model
 
@@ -570,7 +570,7 @@ def test_a_native_crash_of_onnxruntime_keeps_the_session_and_the_reference_evalu
         pytest.skip("this onnxruntime does not crash on an fp16 MultiheadAttention")
     pytester.makepyfile(models=MODELS, test_crash=TEST_NATIVE_CRASH)
     if not evaluator:
-        pytester.makeconftest("from pytest_exportobs.engine import runtimes\nruntimes.MAX_REFERENCE_NODES = 1\n")
+        pytester.makeconftest("from pytest_exportobs.engine.verify import runtimes\nruntimes.MAX_REFERENCE_NODES = 1\n")
     result = pytester.runpytest_subprocess(
         "--export-check", "--export-examples=0", "--junitxml=junit.xml", "--export-report=report.json",
         "-p", "no:cacheprovider", timeout=600)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_exportobs.engine.result import ModelResult
+from pytest_exportobs.engine.base.result import ModelResult
 from pytest_exportobs.gate.baseline import Baseline, BaselineEntry, update_baseline
 
 from models import SOURCE as MODELS

@@ -314,7 +314,7 @@ def pytest_sessionfinish(session):
     assert junit_cases(project.path / "junit.xml") == ORDINARY
     assert not any(observed_by(project.path / "junit.xml").values())
     assert json.loads((project.path / "loaded.json").read_text()) == [  # as without the option
-        "pytest_exportobs", "pytest_exportobs.engine", "pytest_exportobs.engine.settings",
+        "pytest_exportobs", "pytest_exportobs.engine", "pytest_exportobs.engine.base.settings",
         "pytest_exportobs.observe", "pytest_exportobs.observe.options",
         "pytest_exportobs.plugin", "pytest_exportobs.plugin.observing", "pytest_exportobs.plugin.options",
     ]

@@ -139,7 +139,7 @@ def test_nothing_happens_without_the_flag(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     assert json.loads((pytester.path / "loaded.json").read_text()) == [
-        "pytest_exportobs", "pytest_exportobs.engine", "pytest_exportobs.engine.settings",
+        "pytest_exportobs", "pytest_exportobs.engine", "pytest_exportobs.engine.base.settings",
         "pytest_exportobs.observe", "pytest_exportobs.observe.options",  # the marker's arguments (torch-free)
         "pytest_exportobs.plugin", "pytest_exportobs.plugin.observing", "pytest_exportobs.plugin.options",
     ]

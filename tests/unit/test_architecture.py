@@ -102,6 +102,27 @@ def test_the_graph_is_read() -> None:
     assert "pytest_exportobs.gate.compare" in GRAPH["pytest_exportobs.compare"]
 
 
+# The engine's rooms, in the order of its pipeline: each imports only from the rooms after it
+# (its top-level modules — check, graph, planning, runner, repro — drive them all).
+ENGINE_ROOMS = ("explore", "export", "verify", "base")
+
+
+def engine_room(name: str) -> int:
+    """Index in ENGINE_ROOMS; -1 for the engine's top-level modules."""
+    parts = name.split(".")
+    return ENGINE_ROOMS.index(parts[2]) if len(parts) > 3 and parts[2] in ENGINE_ROOMS else -1
+
+
+def test_the_engines_rooms_import_only_from_the_rooms_below() -> None:
+    engine = [name for name in MODULES if name.startswith("pytest_exportobs.engine.")]
+    assert {name.split(".")[2] for name in engine if MODULES[name].name == "__init__.py"} == set(ENGINE_ROOMS)
+    upward = [f"{name} -> {target}" for name in engine for target in GRAPH[name]
+              if target.startswith("pytest_exportobs.engine") and engine_room(target) <= engine_room(name)
+              and engine_room(name) >= 0 and engine_room(target) != engine_room(name)]
+    assert upward == []
+    assert engine_room("pytest_exportobs.engine.base.result") > engine_room("pytest_exportobs.engine.export.cache")
+
+
 def test_top_level_modules_are_facades() -> None:
     assert layer("pytest_exportobs") == layer("pytest_exportobs.compare") == len(LAYERS)
     assert layer("pytest_exportobs.gate") == layer("pytest_exportobs.gate.compare") == LAYERS.index("gate")

@@ -10,8 +10,8 @@ import onnxruntime
 import pytest
 import torch
 
+from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
-from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.observe.store import ObserveOptions, SessionStore
 
 transformers = pytest.importorskip("transformers")

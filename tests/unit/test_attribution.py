@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from pytest_exportobs.core.files import json_text
-from pytest_exportobs.engine.result import GraphResult, ModelResult
+from pytest_exportobs.engine.base.result import GraphResult, ModelResult
 from pytest_exportobs.gate.baseline import Baseline
 from pytest_exportobs.gate.judge import Change, GateEntry, changed_versions, gate, state
 

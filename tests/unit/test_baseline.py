@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_exportobs.engine.result import GraphResult, ModelResult
+from pytest_exportobs.engine.base.result import GraphResult, ModelResult
 from pytest_exportobs.gate.baseline import Baseline, BaselineEntry, BaselineError
 from pytest_exportobs.gate.judge import GateEntry, gate
 

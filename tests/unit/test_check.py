@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from pytest_exportobs import InputObserver, ShapeModel
-from pytest_exportobs.engine import cache
+from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
-from pytest_exportobs.engine.settings import CheckSettings
-from pytest_exportobs.engine.verify import OutputLayout, Tolerance, compare, run_and_compare
+from pytest_exportobs.engine.export import cache
+from pytest_exportobs.engine.verify.compare import OutputLayout, Tolerance, compare, run_and_compare
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
 import models
@@ -331,7 +331,7 @@ def test_tiny_llama_onnx_axes_carry_the_inferred_names(tiny_llama, tmp_path: Pat
     import onnx
 
     from pytest_exportobs import make_dynamic_cache, register_flattening_functions
-    from pytest_exportobs.engine.runtimes import OnnxRunner
+    from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 
     def cache(batch: int, past: int) -> object:
         return make_dynamic_cache([(torch.randn(batch, 2, past, 16), torch.randn(batch, 2, past, 16))] * 2)
@@ -364,7 +364,7 @@ def test_tiny_llama_onnx_axes_carry_the_inferred_names(tiny_llama, tmp_path: Pat
 
 
 def test_batch_one_only_with_forced_batch_runs_at_batch_three_in_ort(tmp_path: Path) -> None:
-    from pytest_exportobs.engine.runtimes import OnnxRunner
+    from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 
     group = observed(MLP().eval(), (torch.randn(1, 8),), (torch.randn(1, 8),), set_batch_dimension_for=True)
     result = check_model(group, settings(tmp_path))
@@ -521,7 +521,7 @@ def test_a_kernel_onnxruntime_lacks_is_verified_by_onnxs_reference_evaluator_nam
 
 def test_a_graph_too_large_for_the_reference_evaluator_stays_skipped_with_the_reason(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_exportobs.engine import runtimes
+    from pytest_exportobs.engine.verify import runtimes
 
     monkeypatch.setattr(runtimes, "MAX_REFERENCE_NODES", 1)
     model = MLP().to(torch.bfloat16).eval()
@@ -538,7 +538,7 @@ def test_a_wrong_translation_of_a_bfloat16_graph_fails_under_the_reference_evalu
     """A translation of ``relu`` that doubles: onnxruntime cannot run the bfloat16 graph, onnx's
     reference evaluator does and finds it wrong."""
     from pytest_exportobs.compat import torch_private
-    from pytest_exportobs.engine import export
+    from pytest_exportobs.engine.export import pipeline
 
     def doubled_relu(x: Any) -> Any:
         from onnxscript import opset18 as op
@@ -548,7 +548,7 @@ def test_a_wrong_translation_of_a_bfloat16_graph_fails_under_the_reference_evalu
     fresh = functools.cache(torch_private._torchlib_registry.__wrapped__)  # the wrong one stays in this test
     monkeypatch.setattr(torch_private, "_REGISTERED", set())
     monkeypatch.setattr(torch_private, "_torchlib_registry", fresh)
-    monkeypatch.setattr(export, "custom_translations", lambda: {torch.ops.aten.relu.default: doubled_relu})
+    monkeypatch.setattr(pipeline, "custom_translations", lambda: {torch.ops.aten.relu.default: doubled_relu})
     model = MLP().to(torch.bfloat16).eval()
     result = check_model(observed(model, (torch.randn(2, 8, dtype=torch.bfloat16),)), settings(tmp_path))
     assert (result.verdict, result.stage, result.kind, result.runtimes) == (
@@ -801,7 +801,7 @@ def test_a_batch_of_one_whose_synthesized_inputs_eager_rejects_is_traced_at_two_
     """Every test sends one image: synthesized ids hold no image token where the pixel values
     need one, so the example is the recorded call with its row repeated, and the ONNX serves
     batches of three."""
-    from pytest_exportobs.engine.runtimes import OnnxRunner
+    from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 
     def row(length: int, at: int) -> list[int]:
         return [7 if i == at else 1 + i % 6 for i in range(length)]
@@ -840,7 +840,7 @@ class MaskedTokenLoss(torch.nn.Module):
 def test_a_loss_over_a_data_dependent_number_of_targets_exports_and_serves_unseen_padding(tmp_path: Path) -> None:
     """torch's own decomposition of the loss guards on the number of targets (``Eq(5*u0, 0)``);
     the engine decomposes it without that guard, and the ONNX computes eager's loss."""
-    from pytest_exportobs.engine.runtimes import OnnxRunner
+    from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 
     def batch(rows: int, seq: int, real: list[int]) -> tuple[torch.Tensor, ...]:
         mask = torch.tensor([[1] * n + [0] * (seq - n) for n in real])
@@ -1047,7 +1047,7 @@ class ShortPathBranch(torch.nn.Module):
 
 
 def test_a_bound_eager_cannot_pass_is_the_models_limit_and_the_onnx_serves_up_to_it(tmp_path: Path) -> None:
-    from pytest_exportobs.engine.runtimes import OnnxRunner
+    from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 
     model = PositionTable()
     result = check_model(observed(model, (torch.randn(2, 5, 8),), (torch.randn(3, 9, 8),)), settings(tmp_path))
@@ -1075,7 +1075,7 @@ def test_a_sliding_window_the_tests_never_fill_gets_a_length_of_its_own_and_the_
     and the ONNX serves caches past the window, which no test made (an export cache hit too)."""
     transformers = pytest.importorskip("transformers")
     from pytest_exportobs import register_flattening_functions
-    from pytest_exportobs.engine.runtimes import OnnxRunner
+    from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 
     torch.manual_seed(0)
     config = transformers.Gemma2Config(
@@ -1117,7 +1117,7 @@ def test_a_llava_prefill_keeps_its_image_batch_dynamic_and_serves_unseen_batches
     token count with a tensor condition: export_patches keep the batch dynamic, and the check's
     leftover nodes are dropped before the ONNX translation."""
     transformers = pytest.importorskip("transformers")
-    from pytest_exportobs.engine.runtimes import OnnxRunner
+    from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 
     torch.manual_seed(0)
     vision = transformers.CLIPVisionConfig(
@@ -1173,7 +1173,7 @@ class WaveformClassifier(torch.nn.Module):
 def test_a_dim_named_dims_pin_but_unnamed_ones_keep_is_exported_dynamic(tmp_path: Path) -> None:
     """With a named length torch solves its conv guards for the example's 4000 samples; with
     Dim.DYNAMIC it keeps a range: the length stays dynamic and the ONNX serves lengths never tested."""
-    from pytest_exportobs.engine.runtimes import OnnxRunner
+    from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 
     model = WaveformClassifier().eval()
     calls = [(torch.randn(2, 4000),), (torch.randn(3, 8000),), (torch.randn(1, 16000),)]

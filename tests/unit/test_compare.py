@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_exportobs.engine.result import GraphResult, ModelResult
+from pytest_exportobs.engine.base.result import GraphResult, ModelResult
 from pytest_exportobs.gate.compare import main
 from pytest_exportobs.gate.reports import write_reports
 

@@ -46,7 +46,7 @@ from pytest_exportobs.compat.torch_text import (
     unsupported_ops,
 )
 from pytest_exportobs.core.vocabulary import Stage
-from pytest_exportobs.engine.reasons import one_line_reason
+from pytest_exportobs.engine.base.reasons import one_line_reason
 
 
 class Doubling(torch.nn.Module):

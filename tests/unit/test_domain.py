@@ -11,11 +11,11 @@ import torch
 
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.core.vocabulary import RefinementKind
-from pytest_exportobs.engine.domain import Refinement, _asserted_divisor, _condition, conditions, satisfied
-from pytest_exportobs.engine.eager import call_model
-from pytest_exportobs.engine.export import export_model
-from pytest_exportobs.engine.variations import explore
-from pytest_exportobs.engine.verify import Tolerance
+from pytest_exportobs.engine.base.eager import call_model
+from pytest_exportobs.engine.explore.variations import explore
+from pytest_exportobs.engine.export.domain import Refinement, _asserted_divisor, _condition, conditions, satisfied
+from pytest_exportobs.engine.export.pipeline import export_model
+from pytest_exportobs.engine.verify.compare import Tolerance
 from pytest_exportobs.shapes.inference import DimPolicy
 
 s, b = sympy.Symbol("s76", integer=True, positive=True), sympy.Symbol("s6", integer=True, positive=True)

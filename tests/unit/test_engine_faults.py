@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from pytest_exportobs.engine.base.reasons import one_line_reason
+from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
-from pytest_exportobs.engine.reasons import one_line_reason
-from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
 from models import MLP, Bad, Good

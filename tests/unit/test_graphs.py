@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from pytest_exportobs import InputObserver
-from pytest_exportobs.engine.graphs import can_serve, plan_graphs, split_off
+from pytest_exportobs.engine.planning import can_serve, plan_graphs, split_off
 
 
 class Inputs(torch.nn.Module):

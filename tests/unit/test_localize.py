@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from pytest_exportobs.compat import torch_private
-from pytest_exportobs.engine import export, onnx_stages
+from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
-from pytest_exportobs.engine.localize import localize
-from pytest_exportobs.engine.settings import CheckSettings
-from pytest_exportobs.engine.verify import Tolerance
+from pytest_exportobs.engine.explore.localize import localize
+from pytest_exportobs.engine.export import onnx_stages, pipeline
+from pytest_exportobs.engine.verify.compare import Tolerance
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
 
@@ -81,7 +81,7 @@ def wrongly_translated_gelu(monkeypatch: pytest.MonkeyPatch) -> None:
     registry = _registration.ONNXRegistry.from_torchlib()
     monkeypatch.setattr(torch_private, "_torchlib_registry", lambda: registry)
     monkeypatch.setattr(torch_private, "_REGISTERED", set())
-    monkeypatch.setattr(export, "custom_translations", lambda: {torch.ops.aten.gelu.default: wrong_gelu})
+    monkeypatch.setattr(pipeline, "custom_translations", lambda: {torch.ops.aten.gelu.default: wrong_gelu})
 
 
 @pytest.mark.usefixtures("wrongly_translated_gelu")

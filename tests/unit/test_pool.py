@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.utils import _pytree
 
+from pytest_exportobs.core.cache_pytrees import register_flattening_functions
 from pytest_exportobs.core.caches import make_dynamic_cache
-from pytest_exportobs.core.pytrees import register_flattening_functions
-from pytest_exportobs.observe.pool import FOREIGN_INSTANCE, pooled_names
 from pytest_exportobs.observe.store import MAX_OBSERVATIONS, MAX_ORDINARY, ObserveOptions, SessionStore, identity
+from pytest_exportobs.observe.transfer import FOREIGN_INSTANCE, pooled_names
 from pytest_exportobs.plugin import pooling, relay
 from pytest_exportobs.plugin.pooling import Pool, admit, mark_down
 

@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from pytest_exportobs.core.caches import make_dynamic_cache  # noqa: E402
+from pytest_exportobs.engine.base.settings import CheckSettings  # noqa: E402
 from pytest_exportobs.engine.check import check_model  # noqa: E402
-from pytest_exportobs.engine.settings import CheckSettings  # noqa: E402
 from pytest_exportobs.observe.store import ObserveOptions, SessionStore  # noqa: E402
 from pytest_exportobs.shapes.spec import spec_api  # noqa: E402
 

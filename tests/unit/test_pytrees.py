@@ -11,12 +11,12 @@ torch = pytest.importorskip("torch")
 import torch.utils._pytree as pytree  # noqa: E402
 from torch.export import Dim  # noqa: E402
 
+from pytest_exportobs.core.cache_pytrees import register_flattening_functions  # noqa: E402
 from pytest_exportobs.core.caches import (  # noqa: E402
     make_dynamic_cache,
     make_encoder_decoder_cache,
     make_static_cache,
 )
-from pytest_exportobs.core.pytrees import register_flattening_functions  # noqa: E402
 from pytest_exportobs.core.trees import spec_children  # noqa: E402
 
 from models import cache_argument, tiny_llama_config  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pytest_exportobs.engine.result import GraphResult, ModelResult
+from pytest_exportobs.engine.base.result import GraphResult, ModelResult
 from pytest_exportobs.gate.baseline import Baseline
 from pytest_exportobs.gate.judge import gate
 from pytest_exportobs.gate.reports import write_reports

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pytest_exportobs import InputObserver  # noqa: E402
-from pytest_exportobs.engine.export import export_model  # noqa: E402
+from pytest_exportobs.engine.export.pipeline import export_model  # noqa: E402
 from pytest_exportobs.engine.repro import Repro, write_repro  # noqa: E402
 from pytest_exportobs.shapes.model import ShapeModel  # noqa: E402
 
@@ -180,8 +180,8 @@ def test_unknown_stage_is_an_error(mymodels, tmp_path):
 @pytest.mark.slow
 def test_llama_with_dynamic_cache_is_rebuilt_from_its_config(tmp_path):
     transformers = pytest.importorskip("transformers")
+    from pytest_exportobs.core.cache_pytrees import register_flattening_functions
     from pytest_exportobs.core.caches import make_dynamic_cache
-    from pytest_exportobs.core.pytrees import register_flattening_functions
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_llama_config()).eval()

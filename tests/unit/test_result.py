@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pytest_exportobs.engine.result import GraphResult, ModelResult
+from pytest_exportobs.engine.base.result import GraphResult, ModelResult
 
 PREFILL = {"input_ids": {"0": "batch", "1": "seq"}}
 DECODE = {"input_ids": {"0": "batch"}, "past_key_values.0": {"0": "batch", "2": "past"}}

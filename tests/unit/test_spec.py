@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pytest_exportobs import InputObserver, ObserverError, make_dynamic_cache, register_flattening_functions
+from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
-from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.observe.store import ObserveOptions, SessionStore
 from pytest_exportobs.shapes.spec import spec_api
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pytest_exportobs.core.strings import string_type  # noqa: E402
+from pytest_exportobs.core.string_type import string_type  # noqa: E402
 
 from models import cache_argument  # noqa: E402
 

@@ -13,7 +13,7 @@ from torch.utils import _pytree
 transformers = pytest.importorskip("transformers")
 
 from pytest_exportobs.api.untrained import get_untrained_model_with_inputs  # noqa: E402
-from pytest_exportobs.core.pytrees import register_flattening_functions  # noqa: E402
+from pytest_exportobs.core.cache_pytrees import register_flattening_functions  # noqa: E402
 
 from models import cache_argument  # noqa: E402
 

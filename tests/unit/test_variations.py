@@ -14,10 +14,10 @@ from torch.utils import _pytree
 
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.core.vocabulary import AxisRole
-from pytest_exportobs.engine.eager import call_model
-from pytest_exportobs.engine.runtimes import OnnxRunner
-from pytest_exportobs.engine.variations import Leaves, VariationOutcome, explore, size_ranges
-from pytest_exportobs.engine.verify import Tolerance
+from pytest_exportobs.engine.base.eager import call_model
+from pytest_exportobs.engine.explore.variations import Leaves, VariationOutcome, explore, size_ranges
+from pytest_exportobs.engine.verify.compare import Tolerance
+from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 from pytest_exportobs.shapes.dims import Relation
 from pytest_exportobs.shapes.inference import DimPolicy
 from pytest_exportobs.shapes.synthesis import build_leaves, complete_sizes, ignore_padded_labels, recipes
@@ -264,9 +264,9 @@ def test_position_ids_of_decode_steps_stay_arange_like(tmp_path):
 @pytest.mark.slow
 def test_tiny_llama_variations(tmp_path):
     transformers = pytest.importorskip("transformers")
+    from pytest_exportobs.core.cache_pytrees import register_flattening_functions
     from pytest_exportobs.core.caches import make_dynamic_cache
-    from pytest_exportobs.core.pytrees import register_flattening_functions
-    from pytest_exportobs.engine.export import export_model
+    from pytest_exportobs.engine.export.pipeline import export_model
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256)).eval()

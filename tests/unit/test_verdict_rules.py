@@ -12,8 +12,8 @@ import onnxruntime
 import pytest
 import torch
 
+from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
-from pytest_exportobs.engine.settings import CheckSettings
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
 HERE = Path(__file__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from ..core.vocabulary import Stage
+from ...core.vocabulary import Stage
 
 
 class EnvironmentProblem(Exception):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..core.text import error_line
+from ...core.text import error_line
 
 
 class ModelRaised(Exception):

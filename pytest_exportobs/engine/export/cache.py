@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-from ..core.configuration import configuration_text
-from ..core.files import copy_atomic, write_atomic
-from ..core.versions import package_versions
-from ..shapes.model import ShapeModel
+from ...core.configuration import configuration_text
+from ...core.files import copy_atomic, write_atomic
+from ...core.versions import package_versions
+from ...shapes.model import ShapeModel
 from .domain import Refinement
 
 # What an entry holds; a change makes earlier entries miss (3: trace and graph entries, weights

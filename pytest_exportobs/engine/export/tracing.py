@@ -19,26 +19,26 @@ from typing import Any
 
 import torch
 
-from ..compat.torch_private import (
+from ...compat.torch_private import (
     DEFERRED_ASSERTS,
     ExportUserError,
     rnn_while_loops,
     size_oblivious,
     unchecked_module,
 )
-from ..compat.torch_text import pinned_sizes, rejects_dims, suggested_fixes
-from ..core.configuration import declared_maximum
-from ..core.text import error_line, first_line
-from ..core.trees import detached_clone, flat_outputs
-from ..core.vocabulary import DimSource, RefinementKind
-from ..shapes.model import ShapeModel
-from ..shapes.spec import spec_api, to_shapes_spec
+from ...compat.torch_text import pinned_sizes, rejects_dims, suggested_fixes
+from ...core.configuration import declared_maximum
+from ...core.text import error_line, first_line
+from ...core.trees import detached_clone, flat_outputs
+from ...core.vocabulary import DimSource, RefinementKind
+from ...shapes.model import ShapeModel
+from ...shapes.spec import spec_api, to_shapes_spec
+from ..verify.compare import Tolerance, compare
 from .bound import BoundConstants
 from .domain import Refinement, apply_refinements, program_shapes, static_axes, upper_bounds
-from .patches import NO_PATCHES, TracingPatches
 from .probe import SizeProbe, leaves_at
 from .specializations import SpecializationLog, logged_specializations
-from .verify import Tolerance, compare
+from .tracing_patches import NO_PATCHES, TracingPatches
 
 MAX_ATTEMPTS = 4  # exports tried with refined dims before giving up on named dims
 SPEC_NOTE = "dims as a torch ShapesSpec"

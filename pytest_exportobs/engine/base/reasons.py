@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..compat.torch_text import translated_op, unsupported_ops
-from ..core.text import first_line
-from ..core.vocabulary import Stage
+from ...compat.torch_text import translated_op, unsupported_ops
+from ...core.text import first_line
+from ...core.vocabulary import Stage
 from .frames import user_frame
 
 # What a failure mentions -> the known way around it.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..compat.onnxruntime_text import failing_node
+from ...compat.onnxruntime_text import failing_node
 from .frames import quoted_model_line
 
 STACK_TRACE = "pkg.torch.onnx.stack_trace"

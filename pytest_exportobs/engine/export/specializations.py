@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..compat.torch_text import SHAPES_LOGGER, guard_added, symbol_created, symbol_replaced
-from .frames import user_location
+from ...compat.torch_text import SHAPES_LOGGER, guard_added, symbol_created, symbol_replaced
+from ..base.frames import user_location
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from ..core.text import error_line
-from ..core.vocabulary import Kind
-from ..shapes.synthesis import IGNORE_INDEX
+from ...core.text import error_line
+from ...core.vocabulary import Kind
+from ...shapes.synthesis import IGNORE_INDEX
 
 EPS = 1e-12
 HISTOGRAM_EDGES = (1e-6, 1e-4, 1e-2)  # |Δ| buckets: <1e-6, <1e-4, <1e-2, >=1e-2

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.trees import detached_clone
-from ..shapes.model import ShapeModel
-from ..shapes.synthesis import (
+from ...core.trees import detached_clone
+from ...shapes.model import ShapeModel
+from ...shapes.synthesis import (
     Recipe,
     build_leaves,
     complete_sizes,
@@ -51,9 +51,9 @@ from ..shapes.synthesis import (
     recipes,
     rows_repeated,
 )
-from .domain import satisfied
-from .eager import ModelRaised
-from .verify import Discrepancy, OutputLayout, Tolerance, run_and_compare
+from ..base.eager import ModelRaised
+from ..export.domain import satisfied
+from ..verify.compare import Discrepancy, OutputLayout, Tolerance, run_and_compare
 
 if TYPE_CHECKING:
     import hypothesis

@@ -22,15 +22,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..compat.torch_private import unchecked_module
-from ..core.text import error_line
-from ..core.trees import flat_outputs
-from ..core.vocabulary import Runtime
-from .frames import quoted_model_line
-from .onnx_stages import decompose
-from .origins import STACK_TRACE
-from .runtimes import OnnxRunner, ReferenceRunner
-from .verify import Tolerance, compare
+from ...compat.torch_private import unchecked_module
+from ...core.text import error_line
+from ...core.trees import flat_outputs
+from ...core.vocabulary import Runtime
+from ..base.frames import quoted_model_line
+from ..base.origins import STACK_TRACE
+from ..export.onnx_stages import decompose
+from ..verify.compare import Tolerance, compare
+from ..verify.runtimes import OnnxRunner, ReferenceRunner
 
 MAX_NODES = 20_000  # ONNX nodes of a graph localized (every value of the graph is kept in memory)
 TOP = 5  # nodes reported beside the first one beyond tolerance

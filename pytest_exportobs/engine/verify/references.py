@@ -19,11 +19,11 @@ from enum import Enum
 
 import torch
 
-from ..core.configuration import contract
-from ..core.trees import detached_clone, flat_outputs, on_meta_device
-from ..observe.recorder import Observation
-from ..observe.store import ModelGroup
-from .verify import Tolerance, compare
+from ...core.configuration import contract
+from ...core.trees import detached_clone, flat_outputs, on_meta_device
+from ...observe.recorder import Observation
+from ...observe.store import ModelGroup
+from .compare import Tolerance, compare
 
 Outputs = list[torch.Tensor | None]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..compat.torch_text import quoted_frames, raising_call
+from ...compat.torch_text import quoted_frames, raising_call
 
 _PACKAGE_DIR = str(Path(__file__).parents[1])
 _NOT_USER_DIRS = (*(str(Path(inspect.getfile(m)).parent) for m in (torch, logging)), _PACKAGE_DIR, "<")

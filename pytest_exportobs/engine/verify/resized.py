@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ..observe.recorder import CallRecorder, Observation, parameter_shapes
-from ..observe.store import ModelGroup
+from ...observe.recorder import CallRecorder, Observation, parameter_shapes
+from ...observe.store import ModelGroup
 
 BEFORE, AFTER = "before the resize", "after the resize"
 

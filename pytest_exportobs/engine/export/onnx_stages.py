@@ -11,17 +11,17 @@ from typing import Any
 
 import torch
 
-from ..compat.torch_private import (
+from ...compat.torch_private import (
     guards_on_data,
     prepare_for_onnx,
     rename_onnx_axes,
     to_onnx_program,
 )
-from ..compat.torch_text import translated_op
-from ..core.vocabulary import Stage
+from ...compat.torch_text import translated_op
+from ...core.vocabulary import Stage
+from ..base.environment import writing
+from ..base.result import ExportFiles
 from .decompositions import UNGUARDED_CROSS_ENTROPY
-from .environment import writing
-from .result import ExportFiles
 
 MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
 

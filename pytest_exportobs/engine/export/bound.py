@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..observe.alignment import AlignedCalls
+from ...observe.alignment import AlignedCalls
 
 
 class BoundConstants(torch.nn.Module):

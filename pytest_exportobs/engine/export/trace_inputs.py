@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from ..core.trees import detached_clone
-from ..core.vocabulary import AxisRole
-from ..shapes.model import ShapeModel
-from ..shapes.synthesis import example_leaves, free_variables, rows_repeated
+from ...core.trees import detached_clone
+from ...core.vocabulary import AxisRole
+from ...shapes.model import ShapeModel
+from ...shapes.synthesis import example_leaves, free_variables, rows_repeated
 from .probe import SizeProbe, leaves_at
 from .tracing import Example
 

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from torch.utils import _pytree
 
-from ..compat.onnxruntime_text import kernel_lacked, lacks_kernel
-from ..core.text import error_line
-from ..core.vocabulary import Runtime
-from ..observe.alignment import AlignedCalls
+from ...compat.onnxruntime_text import kernel_lacked, lacks_kernel
+from ...core.text import error_line
+from ...core.vocabulary import Runtime
+from ...observe.alignment import AlignedCalls
 
 # onnx.TensorProto FLOAT16, BFLOAT16: onnxruntime's CPU provider crashes natively on some such graphs
 HALF_PRECISION = (10, 16)

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..compat.export_patches import named_export_patches
-from ..core.trees import detached_clone
-from .eager import ModelRaised
-from .verify import Tolerance, compare
+from ...compat.export_patches import named_export_patches
+from ...core.trees import detached_clone
+from ..base.eager import ModelRaised
+from ..verify.compare import Tolerance, compare
 
 Factory = Callable[[], contextlib.AbstractContextManager[Any]]
 

@@ -22,17 +22,21 @@ from typing import Any
 
 import torch
 
-from ..compat.torch_private import (
+from ...compat.torch_private import (
     import_export_machinery,
     onnx_registry,
     register_translations,
     translated_program,
     unchecked_module,
 )
-from ..core.text import error_line
-from ..core.trees import detached_clone, flat_outputs, spec_paths
-from ..core.vocabulary import Kind, Stage
-from ..shapes.model import ShapeModel
+from ...core.text import error_line
+from ...core.trees import detached_clone, flat_outputs, spec_paths
+from ...core.vocabulary import Kind, Stage
+from ...shapes.model import ShapeModel
+from ..base.environment import EnvironmentProblem, writing
+from ..base.reasons import one_line_reason
+from ..base.result import ExportFiles
+from ..verify.compare import Tolerance, compare
 from .bound import bind_constants
 from .cache import ExportCache, GraphEntry, GraphHit, TraceEntry, module_state, state_digest
 from .domain import (
@@ -46,16 +50,12 @@ from .domain import (
     read_dims,
     refinements,
 )
-from .environment import EnvironmentProblem, writing
-from .examples import example_to_trace, other_examples
 from .onnx_stages import check_onnx, decompose, finish, save, translate
-from .patches import NO_PATCHES, TracingPatches
 from .probe import SizeProbe
-from .reasons import one_line_reason
-from .result import ExportFiles
+from .trace_inputs import example_to_trace, other_examples
 from .tracing import Capture, Example, Specialized, Traced, trace
+from .tracing_patches import NO_PATCHES, TracingPatches
 from .translations import custom_translations
-from .verify import Tolerance, compare
 
 
 @dataclass

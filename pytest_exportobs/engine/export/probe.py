@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-from ..core.trees import detached_clone
-from ..core.vocabulary import DimSource
-from ..shapes.dims import Axis
-from ..shapes.model import ShapeModel
-from ..shapes.synthesis import build_leaves, complete_sizes, export_sizes, free_variables, rows_repeated
-from .eager import ModelRaised
+from ...core.trees import detached_clone
+from ...core.vocabulary import DimSource
+from ...shapes.dims import Axis
+from ...shapes.model import ShapeModel
+from ...shapes.synthesis import build_leaves, complete_sizes, export_sizes, free_variables, rows_repeated
+from ..base.eager import ModelRaised
 
 Eager = Callable[[list[Any]], Any]
 

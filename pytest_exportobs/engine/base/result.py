@@ -11,8 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.text import format_dims
-from ..core.vocabulary import DimSource, Kind, Runtime, Stage, Verdict
+from ...core.text import format_dims
+from ...core.vocabulary import DimSource, Kind, Runtime, Stage, Verdict
 
 
 @dataclass(kw_only=True)

@@ -20,11 +20,11 @@ from typing import Any
 import sympy
 import torch
 
-from ..compat.torch_private import sympy_functions
-from ..core.vocabulary import RefinementKind
-from ..shapes.dims import Axis, Relation, Variable
-from ..shapes.model import ShapeModel
-from ..shapes.synthesis import complete_sizes, free_variables
+from ...compat.torch_private import sympy_functions
+from ...core.vocabulary import RefinementKind
+from ...shapes.dims import Axis, Relation, Variable
+from ...shapes.model import ShapeModel
+from ...shapes.synthesis import complete_sizes, free_variables
 
 Shape = tuple[Any, ...]  # per axis: an int (static) or a sympy expression / ONNX dim name
 SAMPLES = 64  # draws of the free sizes a runtime assert must break once to be kept as a condition
