@@ -32,7 +32,7 @@ class Expected:
 
     verdict: str
     stages: tuple[str, ...] = ()
-    kind: str = ""
+    kind: str | None = None
     dynamic: dict[str, tuple[int, ...]] = field(default_factory=dict)
     relations: tuple[str, ...] = ()
 

@@ -162,7 +162,7 @@ def read_groups(report: Path) -> list[Group]:
         return []
     models = json.loads(report.read_text())["models"]
     return [
-        Group(m["name"], m["model_class"].rsplit(".", 1)[-1], m["verdict"], m.get("stage", ""), m.get("kind", ""),
+        Group(m["name"], m["model_class"].rsplit(".", 1)[-1], m["verdict"], m.get("stage", ""), m.get("kind") or "",
               m.get("reason", ""), len(m.get("graphs", [])), m.get("n_observations", 0),
               sum(m.get("timings", {}).values()), m.get("sources", []))
         for m in (models.values() if isinstance(models, dict) else models)

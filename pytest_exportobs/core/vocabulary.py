@@ -84,6 +84,26 @@ class Kind(StrEnum):
     RUNTIME = "runtime"
 
 
+class GateOutcome(StrEnum):
+    """The gate's outcome for one model (one ``exportobs::<name>`` test outcome): its verdict
+    judged against the baseline."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    XFAILED = "xfailed"  # a known failure: failing in the baseline or marked xfail
+    XPASSED = "xpassed"  # fixed: failing in the baseline, passing now
+    MISSING = "missing"  # in the baseline, its tests collected, not observed
+
+
+class Target(StrEnum):
+    """Where a check goes (``--export-target``): to ONNX run by onnxruntime, or only through
+    torch.export, the exported program checked against eager."""
+
+    ONNX = "onnx"
+    TORCH = "torch"
+
+
 class Runtime(StrEnum):
     """What ran a graph to verify it (a graph's ``runtime`` in the reports)."""
 

@@ -32,8 +32,9 @@ from ..shapes.model import ShapeModel
 from .base.environment import EnvironmentProblem
 from .base.result import GraphResult, ModelResult
 from .base.settings import CheckSettings
+from .context import ModelContext
 from .export.tracing_patches import TracingPatches
-from .graph import GraphCheck, ModelContext
+from .graph import GraphCheck
 from .planning import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
 from .verify.compare import Tolerance
 from .verify.references import ReferenceFailed, references

@@ -10,78 +10,38 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from ..core.text import error_line
-from ..core.trees import detached_clone, flat_outputs
-from ..core.vocabulary import DimSource, Kind, Runtime, Stage, Verdict
-from ..observe.recorder import Observation
-from ..observe.store import ModelGroup
+from ..core.trees import detached_clone
+from ..core.vocabulary import DimSource, Kind, Runtime, Stage, Target, Verdict
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import export_sizes
-from .base.eager import call_model
 from .base.environment import writing
 from .base.origins import failure_line
 from .base.result import GraphResult
-from .base.settings import CheckSettings
+from .context import ModelContext
 from .explore.localize import localize_call
 from .explore.variations import VariationOutcome, explore
 from .export.cache import ExportCache
 from .export.domain import conditions
 from .export.pipeline import ExportOutcome, export_model, traced_program
 from .export.probe import SizeProbe, probe_unvaried_dims
-from .export.tracing_patches import TracingPatches
 from .planning import GraphPlan
 from .repro import write_repro
-from .verify.compare import OutputLayout, Tolerance, padded_note, verify_calls
+from .verify.compare import OutputLayout, padded_note, verify_calls
 from .verify.references import Reproduction, refreshed, reproduction
 from .verify.runtimes import Unrunnable, onnx_runner, program_runner
 
-T = TypeVar("T")
-Runner = Callable[[list[Any]], list[Any]]
 GraphRunner = Callable[[Sequence[Any]], Sequence[Any]]  # runs the exported graph on flat leaves
 
 
-@dataclass
-class ModelContext:
-    """What the graphs of one model share: the group, settings, recorded calls and references
-    (both indexed like the model's aligned calls), and how to run quietly and report progress."""
-
-    group: ModelGroup
-    settings: CheckSettings
-    tolerance: Tolerance
-    examples: int
-    patches: TracingPatches
-    model_dir: Path
-    observations: list[Observation]
-    references: list[list[Any]]
-    quiet: Callable[[Callable[[], T]], T]
-    progress: Callable[[Stage, str], None]
-    ids: list[int]  # per call here, its number among the model's recorded calls
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.group.module
-
-    @property
-    def method(self) -> str:
-        return self.group.options.method
-
-    def eager(self, shapes: ShapeModel, flat: bool = True) -> Runner:
-        """Run the module's method on flat leaves of ``shapes``' calls; its outputs flat, or as
-        the module returns them.  What the model raises comes as :class:`ModelRaised`."""
-        method = getattr(self.module, self.method)
-
-        def run(leaves: list[Any]) -> Any:
-            args, kwargs = shapes.aligned.split_arguments(leaves)
-            outputs = call_model(method, *args, **kwargs)
-            return flat_outputs(outputs) if flat else outputs
-
-        return run
+class GraphEnded(Exception):
+    """Raised by the stage that ends a graph's check, once it has set the result's stage, kind and
+    reason (and its verdict when the graph is skipped rather than failed)."""
 
 
 class GraphCheck:
@@ -97,28 +57,32 @@ class GraphCheck:
         self.program: torch.export.ExportedProgram | None = None  # as traced (None: from the export cache)
 
     def run(self) -> GraphResult:
-        context, result = self.context, self.result
-        self.shapes = probe_unvaried_dims(self.shapes, context.eager(self.shapes), result.notes)
+        """The stages in order: the first that ends the check (:class:`GraphEnded`) leaves the
+        result as it set it; past the last one the graph passes."""
+        try:
+            self._stages()
+        except GraphEnded:
+            return self.result
+        self.result.verdict = Verdict.PASSED
+        return self.result
+
+    def _stages(self) -> None:
+        context = self.context
+        self.shapes = probe_unvaried_dims(self.shapes, context.eager(self.shapes), self.result.notes)
         while True:
             outcome = self._export()
-            if not outcome.ok:
-                return result
             self.program = outcome.program
-            runner = self._runner(outcome)
-            if runner is None:
-                return result
-            self.runner = runner
+            self.runner = self._runner(outcome)
             self.layout = OutputLayout.of(outcome.outputs, self.shapes.aligned.leaf_names)
-            if not self._verify(runner):
-                return result
-            if context.examples:
-                variation = self._variations(runner)
-                if variation.failed and self._guesses_kept_static(variation, outcome.onnx_path):
-                    continue  # exported again without them
-                if result.kind:
-                    return result
-            result.verdict = Verdict.PASSED
-            return result
+            self._verify(self.runner)
+            if not context.examples:
+                return
+            variation = self._variations(self.runner)
+            if not variation.failed:
+                return
+            if not self._guesses_kept_static(variation, outcome.onnx_path):
+                raise GraphEnded
+            # exported again without the guessed dims
 
     def _guesses_kept_static(self, variation: VariationOutcome, onnx_path: str) -> bool:
         """A failing variation whose sizes leave the traced ones on guessed dims (axes of generic
@@ -138,7 +102,7 @@ class GraphCheck:
             f"({f'in {line}' if line else variation.detail}), where eager runs")
         for name in guessed:
             self.shapes = self.shapes.without(name)
-        self.result.kind, self.result.reason, self.result.repro_path = "", "", ""
+        self.result.kind, self.result.reason, self.result.repro_path = None, "", ""
         return True
 
     def serves(self, shapes: ShapeModel, calls: list[int]) -> bool:
@@ -184,18 +148,19 @@ class GraphCheck:
         if not outcome.ok:
             result.kind, result.reason, result.traceback = outcome.kind, outcome.reason, outcome.traceback
             self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))
+            raise GraphEnded
         return outcome
 
-    def _runner(self, outcome: ExportOutcome) -> GraphRunner | None:
+    def _runner(self, outcome: ExportOutcome) -> GraphRunner:
         """What runs the graph: onnxruntime, else onnx's reference evaluator (see
-        :func:`~.runtimes.onnx_runner`); ``None`` when nothing here can (the graph is then skipped,
-        kind ``runtime``: the export itself is fine), when onnxruntime crashed natively on it
-        (probed in a process of its own: stage ``isolate``, kind ``crash``) or cannot load it."""
+        :func:`~.runtimes.onnx_runner`).  The check ends when nothing here can (the graph is then
+        skipped, kind ``runtime``: the export itself is fine), when onnxruntime crashed natively on
+        it (probed in a process of its own: stage ``isolate``, kind ``crash``) or cannot load it."""
         result, target = self.result, self.context.settings.target
-        result.stage = Stage.ORT_LOAD if target == "onnx" else Stage.VERIFY
+        result.stage = Stage.ORT_LOAD if target == Target.ONNX else Stage.VERIFY
         begin = time.perf_counter()
         try:
-            if target == "onnx":
+            if target == Target.ONNX:
                 path, dtype = Path(outcome.onnx_path), _float_dtype(self.context.module)
                 runner: GraphRunner = self.context.quiet(lambda: onnx_runner(path, dtype, result.notes))
                 result.runtime = runner.runtime  # type: ignore[attr-defined]  # an OnnxRunner or a ReferenceRunner
@@ -211,18 +176,18 @@ class GraphCheck:
                 result.verdict, result.kind = Verdict.SKIPPED, Kind.RUNTIME
                 result.reason = (f"{gap}: the ONNX was written and checked but cannot run here; verify the model in "
                                  "float32, or with an execution provider that has the kernel")
-            return None
+            raise GraphEnded from gap
         except Exception as e:
             if not type(e).__module__.startswith("onnxruntime"):
                 raise
             result.kind, result.reason = Kind.ERROR, f"onnxruntime cannot load the ONNX written: {error_line(e)}"
-            return None
+            raise GraphEnded from e
         finally:
             result.timings[result.stage] = time.perf_counter() - begin
         return runner
 
-    def _verify(self, runner: GraphRunner) -> bool:
-        """Run every call of the plan; ``False`` when the graph fails.  Calls that lacked an
+    def _verify(self, runner: GraphRunner) -> None:
+        """Run every call of the plan; the check ends when the graph fails.  Calls that lacked an
         argument of the graph and fail are split off instead."""
         context, result = self.context, self.result
         context.progress(Stage.VERIFY, self.plan.name)
@@ -243,16 +208,17 @@ class GraphCheck:
         result.max_rel = _finite_max(d.max_rel for d in kept)
         bad = [d for d in found if not d.ok and d.index not in stood_in]
         if not bad:
-            return True
+            return
         if self._evaluator_failed(next((d.detail for d in bad if d.kind == Kind.ERROR), "")):
-            return False
+            raise GraphEnded
         worst = max(bad, key=lambda d: d.max_abs)
         if worst.kind == Kind.MISMATCH:
             problem = self._reference_problem(self.plan.calls[worst.index])
             if problem == Reproduction.STALE:
-                return self._verify(runner)  # against references eager gives today
+                self._verify(runner)  # against references eager gives today
+                return
             if problem == Reproduction.NONDETERMINISTIC:
-                return False
+                raise GraphEnded
         source = context.observations[self.plan.calls[worst.index]].source or "recorded call"
         result.kind = worst.kind
         call = context.ids[self.plan.calls[worst.index]]
@@ -261,7 +227,7 @@ class GraphCheck:
         if worst.kind in (Kind.MISMATCH, Kind.OUTPUTS):
             self._explain(leaves[worst.index], references[worst.index], values=worst.kind == Kind.MISMATCH)
         self._repro(leaves[worst.index])
-        return False
+        raise GraphEnded
 
     def _explain(self, leaves: list[Any], expected: Sequence[Any], values: bool) -> None:
         """Why the graph's outputs on ``leaves`` differ from ``expected`` (eager as the tests ran
@@ -351,7 +317,7 @@ class GraphCheck:
         :mod:`.localize`; a graph from the export cache is traced again for it): one line added to
         the reason, the nodes kept for the reports.  Never the verdict."""
         context, result = self.context, self.result
-        if context.settings.target != "onnx" or not result.onnx_path:
+        if context.settings.target != Target.ONNX or not result.onnx_path:
             return
         begin = time.perf_counter()
 

@@ -11,15 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.text import format_dims
-from ..core.vocabulary import STAGES_WITH_DIMS, Verdict
+from ..core.vocabulary import STAGES_WITH_DIMS, GateOutcome, Verdict
 from ..engine.base.result import ModelResult
 from .baseline import Baseline, BaselineEntry, session_env
 
-# Gate outcomes besides passed / failed / skipped.
-XFAILED, XPASSED, MISSING = "xfailed", "xpassed", "missing"
 UPDATE_HINT = "run with --export-baseline-update to record"
 # Outcomes counted in an ok summary line besides passed; {s} is the plural mark.
-_COUNTED = {XFAILED: "known failure{s}", XPASSED: "fixed", Verdict.SKIPPED: "skipped", MISSING: "missing"}
+_COUNTED = {GateOutcome.XFAILED: "known failure{s}", GateOutcome.XPASSED: "fixed", GateOutcome.SKIPPED: "skipped",
+            GateOutcome.MISSING: "missing"}
 NOT_IN_BASELINE = "not in the baseline"
 ABSENT = "absent"  # the state of a model on the side that does not have it
 # package -> (version in the baseline, version now), for the packages whose version changed
@@ -71,7 +70,7 @@ class GateEntry:
     """The gate's outcome for one model: passed, failed, xfailed, xpassed, skipped or missing."""
 
     name: str
-    outcome: str
+    outcome: GateOutcome
     message: str = ""
     regression: bool = False
     notes: list[str] = field(default_factory=list)
@@ -89,7 +88,7 @@ class Gate:
 
     @property
     def failed(self) -> bool:
-        return any(e.outcome == Verdict.FAILED for e in self.entries)
+        return any(e.outcome == GateOutcome.FAILED for e in self.entries)
 
     @property
     def regressions(self) -> list[GateEntry]:
@@ -111,12 +110,12 @@ class Gate:
     def summary_line(self) -> str:
         """``exportobs gate: ok (3 passed, 1 known failure, 0 regressions)`` or what failed."""
         if self.failed:
-            failures = [e for e in self.entries if e.outcome == Verdict.FAILED and not e.regression]
+            failures = [e for e in self.entries if e.outcome == GateOutcome.FAILED and not e.regression]
             parts = [listed(self.regressions, "regression{s}"), listed(failures, "failure{s}")]
             line = ", ".join(part for part in parts if part)
         else:
             line = f"ok ({self._counts()})"
-        fixed = [e.name for e in self.entries if e.outcome == XPASSED]
+        fixed = [e.name for e in self.entries if e.outcome == GateOutcome.XPASSED]
         if fixed:
             line += f"; fixed: {', '.join(fixed)} — {UPDATE_HINT} {'it' if len(fixed) == 1 else 'them'}"
         if self.uncollected:
@@ -125,7 +124,7 @@ class Gate:
 
     def _counts(self) -> str:
         count = Counter(e.outcome for e in self.entries)
-        parts = [f"{count[Verdict.PASSED]} passed"]
+        parts = [f"{count[GateOutcome.PASSED]} passed"]
         parts += [_count(count[outcome], label) for outcome, label in _COUNTED.items() if count[outcome]]
         parts.append("0 regressions" if self.has_baseline else "no baseline")
         return ", ".join(parts)
@@ -176,32 +175,34 @@ def _judge(
     else:
         notes = [NOT_IN_BASELINE] if has_baseline else []
     if verdict == Verdict.SKIPPED:
-        return GateEntry(name, Verdict.SKIPPED, result.reason, notes=notes)
+        return GateEntry(name, GateOutcome.SKIPPED, result.reason, notes=notes)
     if result.expected_failure:  # the marker's xfail= decides, like pytest.mark.xfail
         if _failing(verdict):
-            return GateEntry(name, XFAILED, f"expected failure: {result.expected_failure}", notes=notes)
-        return GateEntry(name, Verdict.FAILED if strict else XPASSED,
+            return GateEntry(name, GateOutcome.XFAILED, f"expected failure: {result.expected_failure}", notes=notes)
+        return GateEntry(name, GateOutcome.FAILED if strict else GateOutcome.XPASSED,
                          f"passes although marked xfail ({result.expected_failure})", notes=notes)
     problems = _regressions(entry, result, versions) if entry is not None else []
     if problems:
-        return GateEntry(name, Verdict.FAILED, "; ".join(problems), regression=True, notes=notes)
+        return GateEntry(name, GateOutcome.FAILED, "; ".join(problems), regression=True, notes=notes)
     was_failing = entry is not None and _failing(entry.verdict)
     if _failing(verdict) and was_failing:
-        return GateEntry(name, XFAILED, _at("known failure", result.stage), notes=notes)
+        return GateEntry(name, GateOutcome.XFAILED, _at("known failure", result.stage), notes=notes)
     if _failing(verdict):
-        return GateEntry(name, Verdict.FAILED, _at(verdict, result.stage), notes=notes)
+        return GateEntry(name, GateOutcome.FAILED, _at(verdict, result.stage), notes=notes)
     if not was_failing:
-        return GateEntry(name, Verdict.PASSED, notes=notes)
+        return GateEntry(name, GateOutcome.PASSED, notes=notes)
     assert entry is not None  # was failing in the baseline
     fixed = f"fixed: {_at(entry.verdict, entry.stage)} in the baseline, passes now"
     if strict:
-        return GateEntry(name, Verdict.FAILED, f"{fixed} (strict) — {UPDATE_HINT} it", notes=notes)
-    return GateEntry(name, XPASSED, fixed, notes=notes)
+        return GateEntry(name, GateOutcome.FAILED, f"{fixed} (strict) — {UPDATE_HINT} it", notes=notes)
+    return GateEntry(name, GateOutcome.XPASSED, fixed, notes=notes)
 
 
 def _missing(name: str, strict: bool) -> GateEntry:
     message = "in the baseline but not observed"
-    return GateEntry(name, Verdict.FAILED, f"{message} (strict)") if strict else GateEntry(name, MISSING, message)
+    if strict:
+        return GateEntry(name, GateOutcome.FAILED, f"{message} (strict)")
+    return GateEntry(name, GateOutcome.MISSING, message)
 
 
 def _regressions(entry: BaselineEntry, result: ModelResult, versions: Versions) -> list[str]:

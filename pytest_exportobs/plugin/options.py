@@ -10,7 +10,10 @@ from typing import Any, Literal
 
 import pytest
 
-from ..engine.base.settings import DIM_MODES, TARGETS, CheckSettings
+from ..core.vocabulary import Target
+from ..engine.base.settings import DIM_MODES, CheckSettings
+
+TARGETS = tuple(target.value for target in Target)
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ SETTINGS = (
     Setting("export_examples", "hypothesis shape variations per model (default 10, 0 = off)", default="10",
             metavar="N"),
     Setting("export_target", "stop after torch.export (torch, fast) or go to ONNX + onnxruntime (onnx, default)",
-            default="onnx", choices=TARGETS),
+            default=Target.ONNX.value, choices=TARGETS),
     Setting("export_strict", "a fixed known failure or a baseline entry with no model fails the gate",
             kind="flag", default=False),
     Setting("export_isolate", "export and run each model in a subprocess (a native crash fails one model)",
@@ -135,7 +138,7 @@ class Options:
             threads=max(1, _share_of_cores(config) // jobs),
             check=CheckSettings(
                 export_dir=_path(config, "export_dir") or config.rootpath / ".exportobs",
-                target=_choice(read(config, "export_target") or "onnx", "export_target", TARGETS),
+                target=Target(_choice(read(config, "export_target") or Target.ONNX.value, "export_target", TARGETS)),
                 atol=_float(read(config, "export_atol"), "export_atol"),
                 rtol=_float(read(config, "export_rtol"), "export_rtol"),
                 examples=_int(read(config, "export_examples"), "export_examples"),

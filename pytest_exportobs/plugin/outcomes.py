@@ -12,7 +12,7 @@ from typing import Any, Literal
 import pytest
 
 from ..core.text import format_dims
-from ..core.vocabulary import Kind
+from ..core.vocabulary import GateOutcome, Kind
 from ..engine.base.result import ModelResult
 from ..gate.judge import Gate, GateEntry
 
@@ -21,13 +21,13 @@ When = Literal["setup", "call", "teardown"]
 Outcome = Literal["passed", "failed", "skipped"]
 WHENS: tuple[When, ...] = ("setup", "call", "teardown")
 # gate outcome -> (pytest outcome, is an expected failure)
-OUTCOMES: dict[str, tuple[Outcome, bool]] = {
-    "passed": ("passed", False),
-    "failed": ("failed", False),
-    "xfailed": ("skipped", True),
-    "xpassed": ("passed", True),
-    "skipped": ("skipped", False),
-    "missing": ("skipped", False),
+OUTCOMES: dict[GateOutcome, tuple[Outcome, bool]] = {
+    GateOutcome.PASSED: ("passed", False),
+    GateOutcome.FAILED: ("failed", False),
+    GateOutcome.XFAILED: ("skipped", True),
+    GateOutcome.XPASSED: ("passed", True),
+    GateOutcome.SKIPPED: ("skipped", False),
+    GateOutcome.MISSING: ("skipped", False),
 }
 
 
@@ -101,7 +101,7 @@ def failure_text(entry: GateEntry, result: ModelResult | None, verbose: bool) ->
     (the short summary shows it), then where to look; the traceback with ``-v``."""
     if result is None or not result.reason:
         return f"{entry.name}: {entry.message}"
-    lines = [f"{entry.message}: {result.reason}", f"stage={result.stage} kind={result.kind}"]
+    lines = [f"{entry.message}: {result.reason}", f"stage={result.stage} kind={result.kind or ''}"]
     if result.repro_path:
         lines.append(f"repro: {result.repro_path}")
     lines.extend(f"note: {n}" for n in result.notes)

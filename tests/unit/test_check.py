@@ -56,7 +56,7 @@ def settings(tmp_path: Path, **kwargs) -> CheckSettings:
 def test_exportable_mlp_passes_with_its_numbers(tmp_path: Path) -> None:
     group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
     result = check_model(group, settings(tmp_path))
-    assert (result.verdict, result.stage, result.kind, result.reason) == ("passed", "verify", "", "")
+    assert (result.verdict, result.stage, result.kind, result.reason) == ("passed", "verify", None, "")
     assert result.dims == {"x": {"0": "batch"}}
     assert result.dim_sources == {"batch": "observed"}
     assert result.n_observations == 2

@@ -37,7 +37,7 @@ def test_two_classes_with_equal_weights_never_share_a_cache_entry(tmp_path: Path
     good, bad = Good(), Bad()
     bad.load_state_dict(good.state_dict())
     calls = [(torch.ones(2, 4),), (torch.ones(3, 4),)]
-    assert check(observed(good, *calls), tmp_path)[:3] == ("passed", "verify", "")
+    assert check(observed(good, *calls), tmp_path)[:3] == ("passed", "verify", None)
     for _ in range(2):  # the second run finds good's entry in the cache, never uses it for bad
         verdict, stage, kind, reason = check(observed(bad, *calls), tmp_path)
         assert (verdict, stage, kind) == ("failed", "torch.export", "error")
@@ -172,7 +172,7 @@ def test_an_export_cache_that_cannot_be_written_is_a_note_and_the_model_is_still
     (tmp_path / "cache").write_text("a file where a directory should be")
     result = check_model(observed(MLP(), (torch.randn(2, 8),), (torch.randn(3, 8),)), CheckSettings(
         export_dir=tmp_path, examples=0))
-    assert (result.verdict, result.stage, result.kind) == ("passed", "verify", "")
+    assert (result.verdict, result.stage, result.kind) == ("passed", "verify", None)
     (note,) = [n for n in result.notes if "export cache" in n]
     assert note.startswith(f"the export cache {tmp_path / 'cache'} cannot be written (")
     assert note.endswith("): the next run exports again")

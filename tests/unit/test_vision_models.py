@@ -111,7 +111,7 @@ def test_a_model_on_the_meta_device_is_skipped_with_the_reason(tmp_path: Path) -
         model = ConvNet().eval()
     group = observed(model, (torch.randn(1, 3, 8, 8, device="meta"),))
     result = check_model(group, settings(tmp_path))
-    assert (result.verdict, result.stage, result.kind) == ("skipped", "observe", "")
+    assert (result.verdict, result.stage, result.kind) == ("skipped", "observe", None)
     assert result.reason == (
         "its calls ran on the meta device (shapes, no values): nothing to run eagerly, export or compare")
     assert not (tmp_path / "model").exists()

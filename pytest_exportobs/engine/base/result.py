@@ -48,7 +48,7 @@ class GraphResult(ExportFiles):
     name: str
     verdict: Verdict = Verdict.FAILED
     stage: Stage = Stage.TORCH_EXPORT
-    kind: Kind | str = ""
+    kind: Kind | None = None
     reason: str = ""
     calls: list[int] = field(default_factory=list)
     inputs: list[str] = field(default_factory=list)
@@ -95,7 +95,7 @@ class ModelResult:
     name: str
     verdict: Verdict
     stage: Stage | str = ""
-    kind: Kind | str = ""
+    kind: Kind | None = None
     reason: str = ""
     traceback: str = ""
     repro_path: str = ""
@@ -244,6 +244,8 @@ def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     for name, words in (("verdict", Verdict), ("stage", Stage), ("kind", Kind), ("runtime", Runtime)):
         if values.get(name) in words._value2member_map_:
             values[name] = words(values[name])
+    if values.get("kind") == "":  # reports written before a missing kind was None
+        values["kind"] = None
     if "dim_sources" in values:
         values["dim_sources"] = {k: DimSource(v) for k, v in values["dim_sources"].items()}
     return values

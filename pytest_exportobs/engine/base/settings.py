@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-TARGETS = ("onnx", "torch")
+from ...core.vocabulary import Target
+
 DIM_MODES = ("roles", "observed")
 
 
@@ -23,7 +24,7 @@ class CheckSettings:
     """
 
     export_dir: Path
-    target: str = "onnx"
+    target: Target = Target.ONNX
     atol: float | None = None
     rtol: float | None = None
     examples: int = 10

@@ -256,7 +256,7 @@ class _Trials:
             outcome.failing_sizes = self.examples[index]
             outcome.failing_leaves = self.leaves(outcome.failing_sizes)
             outcome.max_abs = worst.max_abs if math.isfinite(worst.max_abs) else None
-            outcome.detail = worst.detail or worst.kind
+            outcome.detail = worst.detail or worst.kind or ""
         return outcome
 
 

@@ -31,7 +31,7 @@ from ...compat.torch_private import (
 )
 from ...core.text import error_line
 from ...core.trees import detached_clone, flat_outputs, spec_paths
-from ...core.vocabulary import Kind, Stage
+from ...core.vocabulary import Kind, Stage, Target
 from ...shapes.model import ShapeModel
 from ..base.environment import EnvironmentProblem, writing
 from ..base.reasons import one_line_reason
@@ -70,7 +70,7 @@ class ExportOutcome(ExportFiles):
     ok: bool
     stage: Stage
     shapes: ShapeModel  # the shape model, as far as the export refined it
-    kind: Kind | str = ""
+    kind: Kind | None = None
     error_type: str = ""
     reason: str = ""
     traceback: str = ""
@@ -114,7 +114,7 @@ class Stages:
 
 
 def export_model(
-    module: torch.nn.Module, shapes: ShapeModel, target: str, onnx_path: Path,
+    module: torch.nn.Module, shapes: ShapeModel, target: Target, onnx_path: Path,
     cache: ExportCache | None = None, method: str = "forward", probe: SizeProbe | None = None,
     patches: TracingPatches = NO_PATCHES,
 ) -> ExportOutcome:
@@ -126,7 +126,7 @@ def export_model(
     outcome, exported = _begin(module, shapes, method)
     stages = Stages(outcome)
     assert outcome.example is not None
-    if target == "onnx" and cache is not None:
+    if target == Target.ONNX and cache is not None:
         key = cache.trace_key(module, method, shapes, outcome.example.args, outcome.example.kwargs)
         if _load_traced(cache, key, module_state(exported), onnx_path, shapes, outcome):
             return outcome
@@ -137,7 +137,7 @@ def export_model(
         outcome.program = program
         outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
         shapes, names = _refine(shapes, program_shapes(program), traced.splits, outcome)
-        if target == "torch":
+        if target == Target.TORCH:
             outcome.dims = read_dims(shapes, outcome.example.inputs, program_shapes(program), names)
             _save_program(program, onnx_path.with_suffix(".pt2"), outcome)
             return outcome
@@ -388,13 +388,13 @@ def _load_traced(
     return True
 
 
-def prepare(target: str, cache: ExportCache | None = None) -> None:
+def prepare(target: Target, cache: ExportCache | None = None) -> None:
     """Import what the first export imports and, unless the export ``cache`` holds traces of an
     earlier run (then most graphs need no translation), build the torchlib registry: once,
     before forked checks, which inherit them instead of each paying about 2 s for the registry;
     they are part of the heap frozen while the checks run."""
     import_export_machinery()
-    if target == "onnx":
+    if target == Target.ONNX:
         importlib.import_module("onnxruntime")
         if cache is None or not cache.holds_traces():
             onnx_registry()

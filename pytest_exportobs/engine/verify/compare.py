@@ -55,7 +55,7 @@ class Discrepancy:
 
     index: int
     ok: bool
-    kind: Kind | str = ""
+    kind: Kind | None = None
     max_abs: float = 0.0
     max_rel: float = 0.0
     n_beyond: int = 0
@@ -103,7 +103,7 @@ def compare(
                   else _unread(ref, padding if encoder_side else decoder_padding, empty_rows))
         _accumulate(result, got, ref, tolerance, name, padded)
     result.ok = result.n_beyond == 0
-    result.kind = "" if result.ok else Kind.MISMATCH
+    result.kind = None if result.ok else Kind.MISMATCH
     if result.n_beyond:
         result.detail = f"{result.n_beyond} of {result.n_values} values beyond tolerance, worst in {result.worst}"
     return result

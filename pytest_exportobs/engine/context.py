@@ -1,0 +1,61 @@
+"""What the graphs of one model share while they are checked (:class:`ModelContext`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from ..core.trees import flat_outputs
+from ..core.vocabulary import Stage
+from ..observe.recorder import Observation
+from ..observe.store import ModelGroup
+from ..shapes.model import ShapeModel
+from .base.eager import call_model
+from .base.settings import CheckSettings
+from .export.tracing_patches import TracingPatches
+from .verify.compare import Tolerance
+
+T = TypeVar("T")
+Runner = Callable[[list[Any]], list[Any]]
+
+
+@dataclass
+class ModelContext:
+    """What the graphs of one model share: the group, settings, recorded calls and references
+    (both indexed like the model's aligned calls), and how to run quietly and report progress."""
+
+    group: ModelGroup
+    settings: CheckSettings
+    tolerance: Tolerance
+    examples: int
+    patches: TracingPatches
+    model_dir: Path
+    observations: list[Observation]
+    references: list[list[Any]]
+    quiet: Callable[[Callable[[], T]], T]
+    progress: Callable[[Stage, str], None]
+    ids: list[int]  # per call here, its number among the model's recorded calls
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.group.module
+
+    @property
+    def method(self) -> str:
+        return self.group.options.method
+
+    def eager(self, shapes: ShapeModel, flat: bool = True) -> Runner:
+        """Run the module's method on flat leaves of ``shapes``' calls; its outputs flat, or as
+        the module returns them.  What the model raises comes as :class:`ModelRaised`."""
+        method = getattr(self.module, self.method)
+
+        def run(leaves: list[Any]) -> Any:
+            args, kwargs = shapes.aligned.split_arguments(leaves)
+            outputs = call_model(method, *args, **kwargs)
+            return flat_outputs(outputs) if flat else outputs
+
+        return run
