@@ -15,6 +15,13 @@ import torch
 SOURCE = Path(__file__).read_text()
 # a plugin session's quickest full check: to torch.export and back, no hypothesis variations
 QUICK_CHECK = ("--export-check", "--export-target=torch", "--export-examples=0", "-p", "no:cacheprovider")
+# what loading the plugin imports of it in a session without --export-check: small, torch-free modules
+LOADED_WITHOUT_CHECK = [
+    "pytest_exportobs", "pytest_exportobs.core", "pytest_exportobs.core.vocabulary",  # --export-target's words
+    "pytest_exportobs.engine", "pytest_exportobs.engine.base", "pytest_exportobs.engine.base.settings",
+    "pytest_exportobs.observe", "pytest_exportobs.observe.options",  # the marker's arguments
+    "pytest_exportobs.plugin", "pytest_exportobs.plugin.observing", "pytest_exportobs.plugin.options",
+]
 
 
 class MLP(torch.nn.Module):
