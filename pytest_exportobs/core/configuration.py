@@ -16,20 +16,36 @@ MAXIMUM_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_se
 # where a configuration was loaded from, not what the model computes: transformers' tests load
 # models saved to a fresh temporary directory, a new ``_name_or_path`` in every run
 PROVENANCE_KEYS = frozenset({"_name_or_path", "_commit_hash"})
+ATTENTION_KEY = "_attn_implementation"  # in configuration_text: the attention implementations, private to transformers
 
 
 def configuration_text(module: Any) -> str:
     """The ``config`` of a transformers or diffusers model as JSON text, without the
-    :data:`PROVENANCE_KEYS` of it or its sub-configurations ('' when it has none)."""
+    :data:`PROVENANCE_KEYS` of it or its sub-configurations, with the attention implementations
+    (private: its JSON leaves them out, yet an ``eager`` and an ``sdpa`` model trace other graphs);
+    '' when it has none."""
     config = getattr(module, "config", None)
     if config is None:
         return ""
     to_json = getattr(config, "to_json_string", None)
     try:
-        text = to_json(use_diff=False) if callable(to_json) else repr(config)
-        return json.dumps(_without_provenance(json.loads(text)), sort_keys=True) if callable(to_json) else text
+        if not callable(to_json):
+            return repr(config)
+        data = _without_provenance(json.loads(to_json(use_diff=False)))
+        return json.dumps({**data, ATTENTION_KEY: _attention_implementations(config)}, sort_keys=True)
     except (TypeError, ValueError):
         return repr(config)
+
+
+def _attention_implementations(config: Any) -> dict[str, str | None]:
+    """The attention implementation of a transformers configuration ('') and of each of its
+    sub-configurations (by name)."""
+    found = {"": getattr(config, "_attn_implementation", None)}
+    for name in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None:
+            found[name] = getattr(sub, "_attn_implementation", None)
+    return found
 
 
 def _without_provenance(value: Any) -> Any:

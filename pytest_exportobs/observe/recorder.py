@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -122,6 +123,12 @@ def parameter_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]
     return [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
 
 
+def layout_digest(parameters: list[tuple[str, tuple[int, ...], str]]) -> int:
+    """A digest of :func:`parameter_shapes`, the same in every process (a call recorded on one
+    xdist worker is matched to the shapes another process reads)."""
+    return _stable_hash(parameters)
+
+
 def weights_digest(module: torch.nn.Module) -> int:
     """A digest of the values of the parameters and buffers, taken at every recorded call: it
     changes when the weights do, whether in place, through ``.data`` (which in-place version
@@ -139,7 +146,12 @@ def weights_digest(module: torch.nn.Module) -> int:
             weights = torch.arange(1, values.numel() + 1, dtype=torch.float64).reshape(values.shape)
             part += ((values.to(torch.float64) * weights).sum().item(),)
         parts.append(part)
-    return hash(tuple(parts))
+    return _stable_hash(parts)
+
+
+def _stable_hash(value: Any) -> int:
+    """A hash of ``value``'s text that does not depend on the process (``hash`` of strings does)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "big")
 
 
 @dataclass(eq=False)
@@ -264,7 +276,7 @@ class CallRecorder:
                 source=self._blocks[-1].source if self._blocks else "",
                 instance=id(instance),
                 weights_digest=weights_digest(instance),
-                layout=hash(tuple(parameter_shapes(instance))),
+                layout=layout_digest(parameter_shapes(instance)),
                 training=instance.training,
             )
         except Exception as e:

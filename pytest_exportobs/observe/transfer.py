@@ -21,8 +21,8 @@ import torch
 
 from ..compat.transformers_hooks import without_output_capturing_hooks
 from .options import ObserveOptions
-from .recorder import CallRecorder, Observation, parameter_shapes, signature_of
-from .store import MAX_OBSERVATIONS, MAX_ORDINARY, ModelGroup, held_weights
+from .recorder import CallRecorder, Observation, signature_of
+from .store import MAX_OBSERVATIONS, MAX_ORDINARY, ModelGroup
 
 Key = tuple[str, str]  # (base name, identity)
 FOREIGN_INSTANCE = 0  # the instance of a call recorded in another process: never a kept module's id
@@ -43,21 +43,25 @@ class SavedCalls:
 
 @dataclass
 class GroupRecord:
-    """What rebuilds a group in another process: the module (pickled by reference to its class)
-    and how it was observed."""
+    """What rebuilds a group in another process: the module (pickled by reference to its class),
+    how it was observed, and its parameters' shapes and weights when first observed (a resize
+    after the first calls replaces them: see :mod:`..engine.verify.resized`)."""
 
     base: str
     identity: str
     explicit: bool
     options: ObserveOptions
     module: torch.nn.Module
+    parameters: list[tuple[str, tuple[int, ...], str]]
+    weights: dict[str, torch.Tensor]
 
 
 def record_bytes(group: ModelGroup, base: str) -> bytes:
     """What rebuilds ``group``, serialized (raises when its module cannot be pickled);
     transformers' output-capturing hooks are left out (the rebuilt model installs them again)."""
     with without_output_capturing_hooks(group.module):
-        return _serialized(GroupRecord(base, group.identity, group.explicit, group.options, group.module))
+        return _serialized(GroupRecord(base, group.identity, group.explicit, group.options, group.module,
+                                       group.parameters, group.weights))
 
 
 def rebuilt(path: Path) -> ModelGroup:
@@ -66,7 +70,7 @@ def rebuilt(path: Path) -> ModelGroup:
     recorder = CallRecorder(record.options.value_if_missing, capacity=MAX_OBSERVATIONS)
     recorder.signature = signature_of(getattr(record.module, record.options.method))
     return ModelGroup(record.base, record.identity, record.module, record.options, record.explicit, recorder,
-                      parameters=parameter_shapes(record.module), weights=held_weights(record.module))
+                      parameters=record.parameters, weights=record.weights)
 
 
 def calls_bytes(observations: list[Observation], sources: list[str]) -> bytes:

@@ -192,17 +192,19 @@ class Pool:
         for key in own + orphans:
             if not self._claim(key, names[key]):
                 continue
-            holders = sorted(worker for worker in held if key in held[worker])
+            saved = {w: load_calls(sorted(self._folder(w, key).glob("calls-*.pt")), self._tally(w, key))
+                     for w in sorted(held) if key in held[w] and w != self.worker}
             if key in local.values():
                 group = store.groups[names[key]]
             else:
-                records = [path for w in holders if (path := self._folder(w, key) / "group.pt").exists()]
+                # the instance one process would have kept: the one the earliest test observed
+                records = sorted((min(map(position, calls.sources), default=0), path) for w, calls in saved.items()
+                                 if (path := self._folder(w, key) / "group.pt").exists())
                 if not records:
                     continue  # the module could not be saved: the controller reports the model lost
-                group = rebuilt(records[0])
+                group = rebuilt(records[0][1])
                 group.name = names[key]
-            absorb(group, [load_calls(sorted(self._folder(w, key).glob("calls-*.pt")), self._tally(w, key))
-                           for w in holders if w != self.worker], position)
+            absorb(group, saved.values(), position)
             yield group
 
     def renames(self, workers: Iterable[str] | None = None) -> dict[str, dict[str, str]]:

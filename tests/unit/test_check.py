@@ -486,6 +486,25 @@ def test_the_export_cache_tells_graphs_of_other_constants_apart(tmp_path: Path) 
             ({"output_hidden_states": True, "return_dict": False}, bool(run), 1)]
 
 
+def test_the_export_cache_tells_attention_implementations_apart(tmp_path: Path) -> None:
+    """transformers' tests build one model with ``eager`` and with ``sdpa`` attention (its config's
+    JSON holds neither): each gets its own graph (sdpa returns no attention weights)."""
+    transformers = pytest.importorskip("transformers")
+    from models import tiny_llama_config
+
+    found = []
+    for implementation in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        model = transformers.LlamaModel(tiny_llama_config()).eval()
+        model.set_attn_implementation(implementation)
+        store = SessionStore()
+        with store.observe(model, "llama", ObserveOptions(), "test_check.py::test") as group:
+            model(torch.randint(0, 100, (2, 5)), output_attentions=True)
+        result = check_model(group, settings(tmp_path))
+        found.append((result.verdict, [g.cache_hit for g in result.graphs]))
+    assert found == [("passed", [False]), ("passed", [False])]
+
+
 class SpanQA(torch.nn.Module):
     """Extractive QA as transformers writes it: 1-D ``start_positions``/``end_positions`` targets."""
 

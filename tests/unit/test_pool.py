@@ -3,6 +3,9 @@ the names one process would give, exclusive claims, bounded absorption, silent w
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -319,3 +322,50 @@ def test_a_remote_workers_import_roots_are_found_under_the_rootdir_or_beside_the
     # a worker whose rootdir was the copy of ``suite`` (--rsyncdir) sent "tests": here under suite/
     assert relay.import_paths(config, ["tests", "suite/tests", "missing"]) == [
         str(pytester.path / "suite" / "tests")]
+
+
+def test_a_model_no_checking_worker_holds_is_rebuilt_from_the_instance_the_earliest_test_observed(
+    tmp_path: Path,
+) -> None:
+    """As one process keeps the first instance it observes: gw1 ran the earlier test, its
+    instance is checked although gw0's name sorts first."""
+    gw0, gw1 = remote(tmp_path, "gw0"), remote(tmp_path, "gw1")
+    store0, store1 = SessionStore(), SessionStore()
+    late, early = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)  # one identity, other weights
+    observe(store0, late, 3, test="test_late")
+    observe(store1, early, 2, test="test_early")
+    for name, side, store in (("gw0", gw0, store0), ("gw1", gw1, store1)):
+        relay.write_offer(tmp_path, name, side.offer(store))
+        mark_down(tmp_path, name)
+    (group,) = pooling.Pool(tmp_path, "controller").claims(None, collection_order("test_early[2]", "test_late[3]"))
+    torch.testing.assert_close(group.module.weight, early.weight)
+    assert group.sources == ["test_early[2]", "test_late[3]"]
+
+
+def test_a_rebuilt_group_keeps_the_shapes_and_weights_first_observed(tmp_path: Path) -> None:
+    """A model resized after its first calls (resize_token_embeddings) is saved after the test:
+    the process that rebuilds it still checks the early calls on the weights they were made with."""
+    store, embed = SessionStore(), torch.nn.Embedding(10, 4)
+    first = embed.weight.data
+    with store.observe(embed, "Embedding", ObserveOptions(), "test_resize"):
+        embed(torch.tensor([[1, 9]]))
+        embed.weight = torch.nn.Parameter(torch.randn(6, 4))  # smaller: the first call's id 9 is gone
+        embed(torch.tensor([[1, 5]]))
+    gw0 = remote(tmp_path, "gw0")
+    relay.write_offer(tmp_path, "gw0", gw0.offer(store))
+    mark_down(tmp_path, "gw0")
+    (group,) = pooling.Pool(tmp_path, "controller").claims(None, collection_order("test_resize"))
+    assert group.parameters == [("weight", (10, 4), "torch.float32")]
+    torch.testing.assert_close(group.weights["weight"], first)
+    assert tuple(group.module.weight.shape) == (6, 4)
+
+
+def test_the_layout_of_a_call_reads_the_same_in_every_process() -> None:
+    """xdist workers run with their own hash seeds: a call's layout is matched in another process."""
+    from pytest_exportobs.observe.recorder import layout_digest
+
+    code = ("from pytest_exportobs.observe.recorder import layout_digest;"
+            "print(layout_digest([('embed.weight', (10, 4), 'torch.float32')]))")
+    seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
+    assert seen == {str(layout_digest([("embed.weight", (10, 4), "torch.float32")]))}

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...observe.recorder import CallRecorder, Observation, parameter_shapes
+from ...observe.recorder import CallRecorder, Observation, layout_digest, parameter_shapes
 from ...observe.store import ModelGroup
 
 BEFORE, AFTER = "before the resize", "after the resize"
@@ -39,7 +39,7 @@ def sides(group: ModelGroup) -> tuple[list[Side], list[str]]:
     now = parameter_shapes(group.module)
     if not group.parameters or now == group.parameters:
         return [Side("", group, list(range(group.recorder.num_obs())))], []
-    first, current = hash(tuple(group.parameters)), hash(tuple(now))
+    first, current = layout_digest(group.parameters), layout_digest(now)
     observations = group.recorder.observations
     before = [i for i, o in enumerate(observations) if o.layout == first]
     after = [i for i, o in enumerate(observations) if o.layout == current]
