@@ -221,7 +221,7 @@ def compatibility_page(paths: list[Path]) -> str:
              "`python validation/run.py` wrote to `summary.json`; see [the validation guide](validation.md)). "
              "Each section is one project's own model tests, run once without the plugin and once with every "
              "model observed, no test edited; \"with it\" is the run the table's verdicts come from "
-             "(llama, gpt2 and timm: a rerun on the first run's export cache; the first run's cost is in "
+             "(llama: a first run; gpt2 and timm: a rerun on the first run's export cache; what each costs is in "
              "[Benchmarks](benchmarks.md)).\n")
     return "\n".join([intro, *(table(result) for path in sorted(paths) for result in load_summary(path))])
 
