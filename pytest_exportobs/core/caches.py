@@ -1,5 +1,5 @@
 """Builders of transformers caches from tensors (``make_dynamic_cache``, ``make_static_cache``,
-``make_encoder_decoder_cache``), also used to unflatten them (see :mod:`.pytrees`).
+``make_encoder_decoder_cache``), also used to unflatten them (see :mod:`.cache_pytrees`).
 
 Tensors are assigned to the layers, as ``lazy_initialization`` + ``update`` leave them: calling
 ``update`` while torch.export traces makes lifted constants the ONNX decomposition cannot find.

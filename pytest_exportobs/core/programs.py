@@ -3,7 +3,7 @@
 ``torch.export.load`` rebuilds the program's input and output trees from the registered name of
 each node's type.  transformers registers its model outputs when their module is imported, which
 its lazy ``import transformers`` does not do, and its caches are registered only inside
-:func:`~.pytrees.register_flattening_functions`; without them torch logs the missing type and
+:func:`~.cache_pytrees.register_flattening_functions`; without them torch logs the missing type and
 raises a generic error.
 """
 
@@ -27,7 +27,7 @@ _TREE_TYPE = re.compile(r'type\\*"\s*:\s*\\*"([A-Za-z_][\w.]*\.[A-Za-z_]\w*)')  
 def load_program(path: str | os.PathLike[str]) -> Any:
     """``torch.export.load(path)`` once the modules defining the program's tree types are
     imported; call the result's ``module()`` inside
-    :func:`~.pytrees.register_flattening_functions` when its inputs hold transformers caches."""
+    :func:`~.cache_pytrees.register_flattening_functions` when its inputs hold transformers caches."""
     for name in tree_types(path):
         if name not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
             with contextlib.suppress(ImportError):  # torch names the type it still misses

@@ -1,7 +1,7 @@
 """Turn one model group into a verdict: infer shapes, plan graphs, check each, summarize.
 
 The shape model is inferred from every recorded call at once (with the dims roles demand);
-calls are then planned onto graphs (:mod:`.graphs`), each exported and verified by a
+calls are then planned onto graphs (:mod:`.planning`), each exported and verified by a
 :class:`~.graph.GraphCheck`.  A plan whose calls an already exported graph reproduces needs no
 export of its own.  The model passes when every graph passes and no call is left unverified.
 """

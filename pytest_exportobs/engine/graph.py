@@ -1,6 +1,6 @@
 """One exported graph of a model: probe the unvaried dims, export, verify its calls, explore.
 
-:class:`GraphCheck` fills a :class:`~.result.GraphResult`.  Calls that ran on stand-ins for
+:class:`GraphCheck` fills a :class:`~.base.result.GraphResult`.  Calls that ran on stand-ins for
 absent arguments and that the graph does not reproduce are handed back (``split``): they need
 a graph of their own, they do not fail this one.
 """
@@ -153,7 +153,7 @@ class GraphCheck:
 
     def _runner(self, outcome: ExportOutcome) -> GraphRunner:
         """What runs the graph: onnxruntime, else onnx's reference evaluator (see
-        :func:`~.runtimes.onnx_runner`).  The check ends when nothing here can (the graph is then
+        :func:`~.verify.runtimes.onnx_runner`).  The check ends when nothing here can (the graph is then
         skipped, kind ``runtime``: the export itself is fine), when onnxruntime crashed natively on
         it (probed in a process of its own: stage ``isolate``, kind ``crash``) or cannot load it."""
         result, target = self.result, self.context.settings.target
@@ -258,7 +258,7 @@ class GraphCheck:
 
     def _reference_problem(self, call: int) -> Reproduction:
         """Before blaming a mismatch on the export, check that eager gives the reference again
-        (see :func:`~.references.reproduction`).  Nondeterministic eager fails the graph;
+        (see :func:`~.verify.references.reproduction`).  Nondeterministic eager fails the graph;
         references eager no longer gives are recomputed for every call."""
         context, result = self.context, self.result
         observation = context.observations[call]
@@ -314,7 +314,7 @@ class GraphCheck:
 
     def _localize(self, leaves: list[Any], expected: Sequence[Any]) -> None:
         """Name the node a mismatch of the ONNX graph on ``leaves`` comes from (see
-        :mod:`.localize`; a graph from the export cache is traced again for it): one line added to
+        :mod:`.explore.localize`; a graph from the export cache is traced again for it): one line added to
         the reason, the nodes kept for the reports.  Never the verdict."""
         context, result = self.context, self.result
         if context.settings.target != Target.ONNX or not result.onnx_path:

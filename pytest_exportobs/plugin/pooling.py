@@ -44,7 +44,7 @@ POOL_KEY = "exportobs_pool"  # workerinput: the directory the workers pool their
 TOKEN_KEY = "exportobs_pool_token"  # workerinput: the token file's text, which tells a worker it sees it
 WAIT_SECONDS = 600.0  # the longest a worker waits for the others' manifests (they follow the last test)
 _POLL_SECONDS = 0.05
-Key = tuple[str, str]  # (base name, identity), as observe.pool keys a model
+Key = tuple[str, str]  # (base name, identity), as observe.transfer keys a model
 Save = dict[str, Any]  # one model's new calls (and on its first save, what rebuilds it)
 
 
@@ -115,13 +115,13 @@ class Saves:
             if calls:
                 save["calls"] = calls_bytes(calls, group.sources)
                 self._saved[key] += len(calls)
-            if len(save) > 2:
+            if save.keys() - {"key", "first"}:  # a record or calls
                 saves.append(save)
         return saves
 
     @staticmethod
     def manifest(store: Any) -> dict[str, Any]:
-        """Per model its :func:`~..observe.pool.tally` (``store`` ``None``: nothing observed)."""
+        """Per model its :func:`~..observe.transfer.tally` (``store`` ``None``: nothing observed)."""
         if store is None:
             return {"models": []}
         from ..observe.transfer import tally

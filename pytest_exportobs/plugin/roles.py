@@ -184,7 +184,8 @@ class ControllerRole(Concluding):
         worker = xdist.worker_of(report) or ""
         saves = taken_relays(report)
         if saves:
-            self._relayed(worker, saves)
+            self._remember_remote(worker, saves)
+            write_saves(self.shared.pool, worker, saves)
         for key, name in report.user_properties:
             if key == OBSERVED_PROPERTY:
                 self.reported.add((worker, str(name)))  # a group name: user_properties' values are objects
@@ -196,19 +197,19 @@ class ControllerRole(Concluding):
         worker = node.gateway.id
         output = getattr(node, "workeroutput", {}).get(xdist.OUTPUT_KEY) or {}
         if "relay" in output:
-            self._relayed(worker, output["relay"]["saves"])
-            write_offer(self.shared.pool, worker, output["relay"])  # its saves written just before
+            self._remember_remote(worker, output["relay"]["saves"])
+            write_offer(self.shared.pool, worker, output["relay"])
         mark_down(self.shared.pool, worker)  # after its manifest: the workers waiting read both
         if error is not None:
             self.crashed.add(worker)
         self._merge(output, worker)
 
-    def _relayed(self, worker: str, saves: list[dict[str, Any]]) -> None:
-        """Write a remote worker's saves into the pool."""
+    def _remember_remote(self, worker: str, saves: list[dict[str, Any]]) -> None:
+        """``worker`` sends its saves (it does not see the pool); where they say it imports its
+        test modules from."""
         self.remote.add(worker)
         for save in saves:
             self.roots += [root for root in save.get("roots", []) if root not in self.roots]
-        write_saves(self.shared.pool, worker, saves)
 
     def _merge(self, output: dict[str, Any], worker: str) -> None:
         """Merge a worker's results; a model checked on two workers is incomplete, not guessed."""
@@ -221,8 +222,7 @@ class ControllerRole(Concluding):
             first = self.checked_on.setdefault(result.name, worker)
             if first != worker:
                 result = incomplete(result.name, f"checked on workers {first} and {worker}: the pooled "
-                                    "observations of one model are checked once (workers on other "
-                                    "hosts share no directory)")
+                                    "observations of one model are checked once")
             self.results[result.name] = result
 
     def _final(self, worker: str, name: str) -> str:

@@ -2,7 +2,7 @@
 
 An axis is dynamic when its size varies across calls, when the first axis of an input named in
 ``set_batch_dimension_for``, when declared so, or (with roles on) when its role demands it (see
-:mod:`.roles`).  Dynamic axes of equal sizes in every call are one *variable* when they also
+:mod:`.axis_roles`).  Dynamic axes of equal sizes in every call are one *variable* when they also
 vary together, share a role, or belong to an input present in some calls only; a variable equal
 in every call to the sum of others plus a constant is *derived*.
 """
