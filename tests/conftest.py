@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from models import tiny_llama_config
@@ -15,6 +17,19 @@ def pytest_configure(config: pytest.Config) -> None:
     from pytest_exportobs.engine.export.pipeline import prepare
 
     prepare("onnx")
+
+
+SESSION_TIMEOUT = 600
+"""Seconds a pytester subprocess session may take unless its test says otherwise: a hung session
+fails its test (pytester kills it) instead of holding the whole run until CI gives up."""
+
+
+@pytest.fixture
+def pytester(pytester: pytest.Pytester) -> pytest.Pytester:
+    """pytest's own fixture, its subprocess sessions bounded by :data:`SESSION_TIMEOUT`."""
+    pytester.runpytest_subprocess = functools.partial(  # type: ignore[method-assign]
+        pytester.runpytest_subprocess, timeout=SESSION_TIMEOUT)
+    return pytester
 
 
 @pytest.fixture(autouse=True)

@@ -398,6 +398,7 @@ def test_a_socket_worker_on_another_host_sends_its_observations_through_xdist(
 ) -> None:
     """A worker started by execnet's socket server (its own directory, the suite copied there by
     ``--rsyncdir``) and a local one, each in a directory of its own."""
+    import select
     import socket
     import subprocess
     import sys
@@ -410,10 +411,12 @@ def test_a_socket_worker_on_another_host_sends_its_observations_through_xdist(
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with subprocess.Popen([sys.executable, server.__file__, f"127.0.0.1:{port}"], cwd=hosts,
-                          stdout=subprocess.PIPE, text=True) as listener:
+    with subprocess.Popen([sys.executable, "-u", server.__file__, f"127.0.0.1:{port}"], cwd=hosts,
+                          stdout=subprocess.PIPE, text=True) as listener:  # -u: its first line arrives
         try:
-            assert listener.stdout is not None and "Entering Accept loop" in listener.stdout.readline()
+            assert listener.stdout is not None
+            assert select.select([listener.stdout], [], [], 60)[0], "the socket server printed nothing in 60 s"
+            assert "Entering Accept loop" in listener.stdout.readline()
             monkeypatch.setenv("REMOTE", "gw0")
             cases, models = run(suite, "--tx", f"socket=127.0.0.1:{port}//chdir={hosts / 'socket'}",
                                 "--tx", f"popen//chdir={hosts / 'popen'}", "--dist", "load",
