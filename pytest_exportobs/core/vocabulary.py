@@ -138,6 +138,7 @@ class RefinementKind(StrEnum):
     SCALE = "scale"  # a multiple of a constant
     SPLIT = "split"  # some of its axes a length of their own (a sliding window's layers)
     ASSERT = "assert"  # a condition on sizes the program asserts at run time (the ONNX file does not check it)
+    STATIC = "static"  # made static while tracing (torch pinned a guessed dim)
 
 
 class AxisRole(StrEnum):

@@ -70,9 +70,12 @@ def check_all(
 ) -> Iterator[ModelResult]:
     """Yield one result per group, in the order the checks end; ``progress`` receives one line
     per model and stage.  With ``isolate`` or ``jobs`` > 1 each check runs in a forked child,
-    ``jobs`` of them at once (fewer groups: as many jobs as groups, each with the threads of the
-    jobs left unused).  Each check runs with ``threads`` torch threads (``None``: as many as now)."""
+    ``jobs`` of them at once, the most expensive first (fewer groups: as many jobs as groups,
+    each with the threads of the jobs left unused).  Each check runs with ``threads`` torch
+    threads (``None``: as many as now)."""
     groups = list(groups)
+    if jobs > 1:  # the longest checks first: the last to end is then a short one, not a straggler
+        groups.sort(key=expected_cost, reverse=True)
     used = max(1, min(jobs, len(groups)))
     threads, jobs = torch.get_num_threads() if threads is None else threads * jobs // used, used
     trackers = [_Progress(f"exportobs [{i}/{len(groups)}] {g.name}", progress) for i, g in enumerate(groups, 1)]
@@ -80,6 +83,7 @@ def check_all(
     try:
         if forked:  # in turn, the first export imports and builds them, and a rerun the cache serves needs neither
             prepare(settings.target, ExportCache(settings.cache_dir) if settings.use_cache else None)
+            _return_free_memory()
     except KeyboardInterrupt:
         yield from map(interrupted, groups)
         return
@@ -93,6 +97,32 @@ def check_all(
             yield from _in_turn(groups, settings, trackers)
         finally:
             torch.set_num_threads(previous)
+
+
+def expected_cost(group: ModelGroup) -> int:
+    """What a check is expected to cost, in no unit: the graphs it exports (one per combination
+    of keyword arguments and their plain values among the calls) times the size of each (the
+    model's modules, whose calls become the graph's ops)."""
+    combinations = {tuple(sorted((name, _plain(value)) for name, value in o.kwargs.items()))
+                    for o in group.recorder.observations}
+    return max(1, len(combinations)) * sum(1 for _ in group.module.modules())
+
+
+def _plain(value: Any) -> Any:
+    """A constant's value; a tensor's or a structure's type (its values do not choose the graph)."""
+    return value if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__
+
+
+def _return_free_memory() -> None:
+    """Give the C heap's free pages back to the system before forking (glibc's ``malloc_trim``;
+    elsewhere nothing): a forked child maps every resident page of its parent, so what the
+    suite freed but the allocator kept (the gradients of trained models...) would count again in
+    each check's memory."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return
+    malloc_trim(0)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from .recorder import CallRecorder, parameter_shapes, weights_digest
 # add information (a new input structure, an axis varied for the first time...).
 MAX_OBSERVATIONS = 32
 MAX_ORDINARY = 24
+
+# references to a kept module when only its group holds it: the group's own and getrefcount's argument
+_HELD_HERE = 2
 
 
 @dataclass
@@ -85,6 +89,7 @@ class SessionStore:
         self.renamed: dict[str, str] = {}  # a name tests recorded -> the group's name since a split
         self._by_base: dict[str, dict[str, str]] = {}  # base name -> identity -> group name
         self._identities: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._observed: dict[int, ModelGroup] = {}  # groups observed since gradients were last released
 
     def group_for(
         self, module: torch.nn.Module, default_name: str, options: ObserveOptions
@@ -134,8 +139,22 @@ class SessionStore:
                 source: str) -> Iterator[ModelGroup]:
         """Record the calls of ``module`` into its group while the block runs."""
         group = self.group_for(module, default_name, options)
+        self._observed[id(group)] = group
         if source not in group.sources:
             group.sources.append(source)
         room = max(0, MAX_ORDINARY - group.recorder.num_obs())
         with group.recorder.recording(module, min(options.store_n_calls, room), options.method, source):
             yield group
+
+    def release_gradients(self, every_group: bool = False) -> None:
+        """Drop the gradients of the kept modules observed since the last call that nothing but
+        this store reaches any more (``every_group``: of every kept module, once the tests are
+        over).  A check never reads them; kept, a training test's gradients would double what its
+        model holds until the session ends, where the suite alone frees both after the test."""
+        groups = self.groups.values() if every_group else self._observed.values()
+        reached = {id(g): g for g in groups if not every_group and sys.getrefcount(g.module) > _HELD_HERE}
+        for group in groups:
+            if id(group) not in reached:
+                for parameter in group.module.parameters():
+                    parameter.grad = None
+        self._observed = reached

@@ -96,10 +96,19 @@ class Observing:
         observing = self.store.observe(module, type(module).__qualname__, ObserveOptions(), item.nodeid)
         item.user_properties.append((OBSERVED_PROPERTY, stack.enter_context(observing).name))
 
+    def pytest_runtest_logfinish(self) -> None:
+        """The test's objects are gone (pytest dropped its fixture values): the gradients of
+        the models it trained that only the store keeps are released."""
+        if self._store is not None:
+            self._store.release_gradients()
+
     def stop_observing(self) -> None:
-        """Give the classes of ``--export-observe`` their ``__call__`` back (before any check)."""
+        """Give the classes of ``--export-observe`` their ``__call__`` back, and release the
+        gradients of every kept model: the tests are over (before any check)."""
         if self._auto is not None:
             self._auto.uninstall()
+        if self._store is not None:
+            self._store.release_gradients(every_group=True)
 
     def auto_notes(self) -> list[str]:
         """One line per kind of failure to begin observing a called module (never a test's failure)."""

@@ -356,3 +356,56 @@ def test_a_mismatch_that_only_accumulates_says_so(pytester: pytest.Pytester, wor
     assert {node["torch_op"] for node in model["localization"]["largest"]} <= {
         "aten.linear.default", "aten.tanh.default", "aten.add.Tensor", "aten.sum.dim_IntList"}
     assert "| within | Gemm |" in (pytester.path / "r.md").read_text()
+
+
+TEST_TRAINING = '''
+import weakref
+
+import pytest
+import torch
+
+TRAINED = {}
+
+
+def step(model):
+    model(torch.randn(3, 4)).sum().backward()
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return torch.nn.Linear(4, 2)
+
+
+def test_trains_its_own_model(export_observer):
+    model = export_observer.watch(torch.nn.Linear(4, 2), name="own")
+    step(model)
+    TRAINED["own"] = weakref.ref(model)
+
+
+def test_trains_the_shared_model(export_observer, shared):
+    step(export_observer.watch(shared, name="shared"))
+
+
+def test_the_kept_model_has_no_gradients_left_and_the_shared_one_keeps_its_own(shared):
+    own = TRAINED["own"]()
+    assert own is not None, "the store keeps the model"
+    assert own.weight.grad is None and own.bias.grad is None
+    assert shared.weight.grad is not None  # a fixture still holds it: untouched
+'''
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadfile"]], ids=["serial", "xdist"])
+def test_a_kept_models_gradients_are_released_once_no_test_can_reach_it(
+    pytester: pytest.Pytester, workers: list[str]
+) -> None:
+    """A training test's gradients would stay with the model the store keeps until the session
+    ends (the suite alone frees both after the test); a model a fixture still holds keeps them."""
+    pytester.makepyfile(test_training=TEST_TRAINING)
+    result = pytester.runpytest_subprocess(*QUICK_CHECK, "--junitxml=junit.xml", *workers)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert junit_cases(pytester.path / "junit.xml") == {
+        "test_training::test_trains_its_own_model": "passed",
+        "test_training::test_trains_the_shared_model": "passed",
+        "test_training::test_the_kept_model_has_no_gradients_left_and_the_shared_one_keeps_its_own": "passed",
+        "exportobs::own": "passed", "exportobs::shared": "passed",
+    }

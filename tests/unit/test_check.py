@@ -1223,3 +1223,33 @@ def test_a_batch_of_one_model_is_checked_in_process_with_the_threads_of_the_unus
     group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
     results = list(runner.check_all([group], settings(tmp_path), isolate=False, jobs=2, threads=1))
     assert [r.verdict for r in results] == ["passed"] and threads_seen == [2]
+
+
+class _Scaled(torch.nn.Module):
+    """An MLP whose output a keyword constant scales."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.mlp(x) * scale
+
+
+def test_forked_checks_begin_with_the_most_expensive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expected cost: the combinations of keyword constants (graphs) times the modules (ops)."""
+    from pytest_exportobs.engine import runner
+
+    store = SessionStore()
+    with store.observe(scaled := _Scaled().eval(), "scaled", ObserveOptions(), "test_check.py::test") as two_graphs:
+        scaled(torch.randn(2, 8), scale=2.0)
+        scaled(torch.randn(3, 8), scale=3.0)
+        scaled(torch.randn(4, 8), scale=3.0)
+    small = observed(MLP().eval(), (torch.randn(2, 8),), name="small")
+    larger = observed(_Scaled().eval(), (torch.randn(2, 8),), name="larger")
+    assert [runner.expected_cost(g) for g in (small, larger, two_graphs)] == [3, 4, 8]
+    started: list[str] = []
+    monkeypatch.setattr(runner, "_forked", lambda groups, *rest: started.extend(g.name for g in groups) or iter(()))
+    monkeypatch.setattr(runner, "prepare", lambda *args: None)
+    assert list(runner.check_all([small, two_graphs, larger], settings(tmp_path), isolate=False, jobs=2)) == []
+    assert started == ["scaled", "larger", "small"]

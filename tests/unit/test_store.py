@@ -144,3 +144,31 @@ def test_models_of_one_class_and_shapes_but_another_config_are_two_groups() -> N
               for m in (single, multi, single_again)]
     assert groups[0] is groups[2] is not groups[1]
     assert sorted(store.groups) == sorted(f"BertForSequenceClassification[{identity(m)}]" for m in (single, multi))
+
+
+def trained(store: SessionStore, name: str) -> torch.nn.Linear:
+    """A Linear observed while a test trains it one step (its gradients set)."""
+    module = torch.nn.Linear(4, 2)
+    with store.observe(module, name, ObserveOptions(), "test"):
+        module(torch.randn(3, 4)).sum().backward()
+    return module
+
+
+def test_gradients_are_released_once_only_the_store_holds_the_model() -> None:
+    """A test's model that nothing else holds loses its gradients after the test; one a fixture
+    still holds keeps them until that reference goes, and every kept model loses them once the
+    tests are over."""
+    store = SessionStore()
+    trained(store, "dropped")
+    held = trained(store, "held")
+    store.release_gradients()
+    assert store.groups["dropped"].module.weight.grad is None
+    assert held.weight.grad is not None and held.bias.grad is not None  # a fixture may still read them
+    store.release_gradients()
+    assert held.weight.grad is not None  # still reachable: looked at again at the next release
+    del held
+    store.release_gradients()
+    assert store.groups["held"].module.weight.grad is None
+    kept = trained(store, "kept to the end")
+    store.release_gradients(every_group=True)
+    assert kept.weight.grad is None and kept.bias.grad is None

@@ -62,6 +62,19 @@ def test_sides_torch_pins_solving_its_guards_are_kept_static_with_the_line_and_t
         torch.testing.assert_close(run_onnx(result.onnx_path, unseen), model(unseen), rtol=1e-4, atol=1e-5)
 
 
+def test_a_rerun_on_the_export_cache_keeps_the_sides_torch_pinned_static(tmp_path: Path) -> None:
+    """The graph the cache serves has the pinned sides static: so has the shape model the rerun
+    verifies and varies (it once kept them dynamic, failed its variations on the static graph
+    and exported again)."""
+    group = observed(FixedGrid().eval(), (torch.randn(2, 3, 16, 16),))
+    cached = CheckSettings(export_dir=tmp_path, examples=10, hypothesis_seed=0)
+    first, rerun = check_model(group, cached), check_model(group, cached)
+    assert [(r.verdict, r.cache_hit, r.dims) for r in (first, rerun)] == [
+        ("passed", False, {"images": {"0": "batch"}}), ("passed", True, {"images": {"0": "batch"}})]
+    assert rerun.graphs[0].timings.keys() <= {"ort-load", "verify", "variations"}, rerun.graphs[0].timings
+    assert [n for n in rerun.notes if "kept static" in n] == [n for n in first.notes if "kept static" in n]
+
+
 @pytest.mark.slow
 def test_a_guessed_side_the_graph_serves_at_the_traced_size_only_is_kept_static_with_the_failing_line(
         tmp_path: Path) -> None:

@@ -30,8 +30,8 @@ from ...shapes.model import ShapeModel
 from .domain import Refinement
 
 # What an entry holds; a change makes earlier entries miss (3: trace and graph entries, weights
-# applied by name)
-ENTRY_FORMAT = 3
+# applied by name; 4: the dims a trace made static among its refinements)
+ENTRY_FORMAT = 4
 
 
 @dataclass

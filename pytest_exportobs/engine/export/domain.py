@@ -125,7 +125,8 @@ class Refinement:
     its ``axes`` a length of their own, at most ``value`` (the model's next step holds them at
     torch's bound: a sliding window); ``assert``, the condition ``value`` (a JSON expression tree
     over variables, :func:`conditions`) holds: the program asserts it at run time, the ONNX file
-    does not.  JSON (the export cache): ``[kind, name, value]``, and the axes of a split."""
+    does not; ``static``, made static while tracing (torch pinned it, a guess: the trace's note
+    says where).  JSON (the export cache): ``[kind, name, value]``, and the axes of a split."""
 
     kind: RefinementKind
     name: str
@@ -172,13 +173,21 @@ def refinements(
     return names, found
 
 
+def made_static(before: ShapeModel, after: ShapeModel) -> list[Refinement]:
+    """The variables of ``before`` that tracing made static, ``after`` being its shape model."""
+    kept = {v.name for v in after.variables}
+    return [Refinement(RefinementKind.STATIC, v.name, 0) for v in before.variables if v.name not in kept]
+
+
 def apply_refinements(shapes: ShapeModel, found: list[Refinement]) -> tuple[ShapeModel, list[str]]:
     """The shape model refined with :func:`refinements`, and one note per refinement (one for
     all conditions)."""
     notes = []
     for refinement in found:
         name = refinement.name
-        if refinement.kind == RefinementKind.MERGE:
+        if refinement.kind == RefinementKind.STATIC:
+            shapes = shapes.without(name)
+        elif refinement.kind == RefinementKind.MERGE:
             into = str(refinement.value)
             shapes = shapes.merged(name, into=into)
             notes.append(f"torch.export proved {name} = {into}")

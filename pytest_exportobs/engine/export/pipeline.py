@@ -27,16 +27,14 @@ from ...compat.torch_private import (
     onnx_registry,
     register_translations,
     translated_program,
-    unchecked_module,
 )
 from ...core.text import error_line
-from ...core.trees import detached_clone, flat_outputs, spec_paths
+from ...core.trees import spec_paths
 from ...core.vocabulary import Kind, Stage, Target
 from ...shapes.model import ShapeModel
 from ..base.environment import EnvironmentProblem, writing
 from ..base.reasons import one_line_reason
 from ..base.result import ExportFiles
-from ..verify.compare import Tolerance, compare
 from .bound import bind_constants
 from .cache import ExportCache, GraphEntry, GraphHit, TraceEntry, module_state, state_digest
 from .domain import (
@@ -45,6 +43,7 @@ from .domain import (
     apply_refinements,
     asserted_conditions,
     deferred_asserts,
+    made_static,
     onnx_shapes,
     program_shapes,
     read_dims,
@@ -53,7 +52,7 @@ from .domain import (
 from .onnx_stages import check_onnx, decompose, finish, save, translate
 from .probe import SizeProbe
 from .trace_inputs import example_to_trace, other_examples
-from .tracing import Capture, Example, Specialized, Traced, trace
+from .tracing import Capture, Example, Specialized, Traced, reproduces, trace
 from .tracing_patches import NO_PATCHES, TracingPatches
 from .translations import custom_translations
 
@@ -133,10 +132,11 @@ def export_model(
     try:
         with stages.run(Stage.TORCH_EXPORT):
             traced = _trace(exported, shapes, outcome, probe, patches)
+        refined = [*made_static(shapes, traced.shapes), *traced.splits]  # already in traced.shapes
         program, outcome.dims_form, shapes = traced.program, traced.form, traced.shapes
         outcome.program = program
         outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
-        shapes, names = _refine(shapes, program_shapes(program), traced.splits, outcome)
+        shapes, names = _refine(shapes, program_shapes(program), refined, outcome)
         if target == Target.TORCH:
             outcome.dims = read_dims(shapes, outcome.example.inputs, program_shapes(program), names)
             _save_program(program, onnx_path.with_suffix(".pt2"), outcome)
@@ -227,7 +227,7 @@ def _trace_pinned(
             except Specialized as again:
                 outcome.shapes = shapes = again.shapes
                 continue
-            if not _reproduces(found.program, module, outcome.example):
+            if not reproduces(found.program, module, outcome.example):
                 break  # the size is special for the model, not only for the trace: the pin stands
             outcome.example = example
             outcome.notes.append(f"traced on {what}: on the first example torch pinned {pinned}")
@@ -235,27 +235,12 @@ def _trace_pinned(
         raise
 
 
-def _reproduces(program: torch.export.ExportedProgram, module: torch.nn.Module, example: Example) -> bool:
-    """Whether a program traced elsewhere gives eager's outputs on ``example`` (the pinned size),
-    run as the ONNX graph will run it: without the runtime asserts of the branch it took."""
-    graph_module = unchecked_module(program)
-    args, kwargs = detached_clone((example.args, example.kwargs))
-    try:
-        with torch.no_grad():
-            expected = flat_outputs(module(*args, **kwargs))
-            args, kwargs = detached_clone((example.args, example.kwargs))
-            actual = flat_outputs(graph_module(*args, **kwargs))
-    except Exception:  # the program rejects the size, or the model's own call fails there
-        return False
-    return compare(actual, expected, Tolerance()).ok
-
-
 def _refine(
-    shapes: ShapeModel, read: list[Shape], splits: list[Refinement], outcome: ExportOutcome,
+    shapes: ShapeModel, read: list[Shape], traced: list[Refinement], outcome: ExportOutcome,
 ) -> tuple[ShapeModel, dict[str, str]]:
     """The shape model refined from the program's input shapes (also ``outcome.shapes``), and
-    the names of its symbols; ``outcome.refinements`` are the ``splits`` tracing made (already in
-    ``shapes``) and what the program proves."""
+    the names of its symbols; ``outcome.refinements`` are the refinements tracing made (already
+    in ``shapes``: dims made static, splits) and what the program proves."""
     assert outcome.example is not None
     inputs = outcome.example.inputs
     asserts = deferred_asserts(outcome.program)
@@ -267,7 +252,7 @@ def _refine(
                 names.setdefault(str(read[inputs.index(leaf)][dim]), var.name)
     asserted = asserted_conditions(shapes, names, asserts)  # those the refined model does not imply
     shapes, more = apply_refinements(shapes, asserted)
-    outcome.refinements = [*splits, *proved, *asserted]
+    outcome.refinements = [*traced, *proved, *asserted]
     outcome.shapes = shapes
     outcome.notes.extend([*notes, *more])
     return shapes, names

@@ -204,25 +204,24 @@ def _unnamed_export(
         program = _torch_export(module, example, shapes.to_dynamic_shapes(constants=constants), capture)
     except Exception:  # torch's own error on the unnamed dims: the pin named dims gave is the reason
         raise pinned from None
-    if not _serves_recorded_calls(program, module, shapes, constants):
+    if not reproduces(program, module, *(Example.of(shapes, shapes.call_leaves(i), constants)
+                                          for i in range(shapes.aligned.n_calls))):
         raise pinned
     notes.append(f"exported with Dim.DYNAMIC dims: with named dims, {pinned.name} was {pinned.what}")
     return program
 
 
-def _serves_recorded_calls(
-    program: torch.export.ExportedProgram, module: torch.nn.Module, shapes: ShapeModel, constants: bool,
-) -> bool:
+def reproduces(program: torch.export.ExportedProgram, module: torch.nn.Module, *examples: Example) -> bool:
     """Whether the program, run as its ONNX graph runs (no runtime assert: some are spurious, a
-    conv stack's ``Eq(length//16, 500)``), gives eager's outputs on every recorded call."""
+    conv stack's ``Eq(length//16, 500)``), gives eager's outputs on every example; one the
+    program or the model's own call rejects is not reproduced."""
     graph = unchecked_module(program)
-    for index in range(shapes.aligned.n_calls):
-        call = Example.of(shapes, shapes.call_leaves(index), constants)
+    for example in examples:
         try:
             with torch.no_grad():
-                expected = flat_outputs(module(*detached_clone(call.args), **detached_clone(call.kwargs)))
-                actual = flat_outputs(graph(*detached_clone(call.args), **detached_clone(call.kwargs)))
-        except Exception:  # the graph fails on the call (eager ran it when the tests did)
+                expected = flat_outputs(module(*detached_clone(example.args), **detached_clone(example.kwargs)))
+                actual = flat_outputs(graph(*detached_clone(example.args), **detached_clone(example.kwargs)))
+        except Exception:
             return False
         if not compare(actual, expected, Tolerance()).ok:
             return False
