@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..core.vocabulary import Kind, Stage, Verdict
+from ..observe.binding import CONSTANT_TYPES
 from ..observe.store import ModelGroup
 from .base.result import ModelResult
 from .base.settings import CheckSettings
@@ -110,7 +111,7 @@ def expected_cost(group: ModelGroup) -> int:
 
 def _plain(value: Any) -> Any:
     """A constant's value; a tensor's or a structure's type (its values do not choose the graph)."""
-    return value if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__
+    return value if value is None or isinstance(value, CONSTANT_TYPES) else type(value).__name__
 
 
 def _return_free_memory() -> None:

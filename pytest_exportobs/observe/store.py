@@ -151,10 +151,12 @@ class SessionStore:
         this store reaches any more (``every_group``: of every kept module, once the tests are
         over).  A check never reads them; kept, a training test's gradients would double what its
         model holds until the session ends, where the suite alone frees both after the test."""
-        groups = self.groups.values() if every_group else self._observed.values()
-        reached = {id(g): g for g in groups if not every_group and sys.getrefcount(g.module) > _HELD_HERE}
-        for group in groups:
-            if id(group) not in reached:
-                for parameter in group.module.parameters():
-                    parameter.grad = None
-        self._observed = reached
+        if every_group:
+            released, self._observed = list(self.groups.values()), {}
+        else:
+            released = [g for g in self._observed.values() if sys.getrefcount(g.module) <= _HELD_HERE]
+            for group in released:
+                del self._observed[id(group)]
+        for group in released:
+            for parameter in group.module.parameters():
+                parameter.grad = None
