@@ -16,7 +16,6 @@ import functools
 import importlib
 import inspect
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -28,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 __all__ = [
     "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node", "import_export_machinery",
     "onnx_registry", "prepare_for_onnx", "register_translations", "rename_onnx_axes", "rnn_while_loops",
-    "size_oblivious", "sympy_functions", "to_onnx_program", "translated_program", "unchecked_module",
+    "size_oblivious", "sympy_functions", "to_onnx_program", "unchecked_module",
 ]
 
 # torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
@@ -175,13 +174,3 @@ def rnn_while_loops() -> Iterator[None]:
         finally:
             for op in ops:
                 op._dispatch_cache.clear()
-
-
-def translated_program(path: Path, weights: dict[str, torch.Tensor]) -> Any:
-    """The ``ONNXProgram`` of a translated (not yet optimized) ONNX file, its initializers named
-    in ``weights`` holding those values."""
-    import onnx_ir
-
-    program = torch.onnx.ONNXProgram(onnx_ir.load(str(path)), None)
-    program.apply_weights(weights)
-    return program

@@ -49,22 +49,8 @@ def check_model(
 ) -> ModelResult:
     """Check one group; never raises.  A failure of a stage is the model's; an exception the
     engine did not expect is stage ``engine``, kind ``internal``: a bug of the plugin."""
-    recorder = group.recorder
-    result = ModelResult(
-        name=group.name, verdict=Verdict.FAILED, stage=Stage.INFER, sources=list(group.sources),
-        model_class=group.model_class, n_observations=recorder.num_obs(),
-        expected_failure=_xfail_reason(group.options.xfail),
-        n_calls=sum(vars(recorder.counts).values()), env=dict(package_versions()),
-    )
-    if not recorder.num_obs():
-        _unobserved(result, recorder)
-        return result
-    on_meta = [on_meta_device(o) for o in recorder.observations]
-    if on_meta_device(group.module) or all(on_meta):
-        result.verdict, result.stage = Verdict.SKIPPED, Stage.OBSERVE
-        result.reason = ("its calls ran on the meta device (shapes, no values): nothing to run eagerly, export or "
-                         "compare" if all(on_meta) else "its weights are on the meta device (shapes, no values), moved "
-                         "there after its calls: nothing to export or compare")
+    result = _new_result(group)
+    if _settled(group, result):
         return result
     found, notes = sides(group)
     result.model_notes.extend(notes)
@@ -103,6 +89,40 @@ class ModelProblem(Exception):
     def __init__(self, stage: Stage, kind: Kind, message: str):
         super().__init__(message)
         self.stage, self.kind = stage, kind
+
+
+def settled(group: ModelGroup) -> ModelResult | None:
+    """The result of a group with nothing to export (no call recorded; calls or weights on the
+    meta device), found without checking it; ``None`` for a group to check."""
+    result = _new_result(group)
+    return result if _settled(group, result) else None
+
+
+def _new_result(group: ModelGroup) -> ModelResult:
+    recorder = group.recorder
+    return ModelResult(
+        name=group.name, verdict=Verdict.FAILED, stage=Stage.INFER, sources=list(group.sources),
+        model_class=group.model_class, n_observations=recorder.num_obs(),
+        expected_failure=_xfail_reason(group.options.xfail),
+        n_calls=sum(vars(recorder.counts).values()), env=dict(package_versions()),
+    )
+
+
+def _settled(group: ModelGroup, result: ModelResult) -> bool:
+    """Whether ``result`` is settled before any check: its verdict set when there is nothing
+    to export."""
+    recorder = group.recorder
+    if not recorder.num_obs():
+        _unobserved(result, recorder)
+        return True
+    on_meta = [on_meta_device(o) for o in recorder.observations]
+    if on_meta_device(group.module) or all(on_meta):
+        result.verdict, result.stage = Verdict.SKIPPED, Stage.OBSERVE
+        result.reason = ("its calls ran on the meta device (shapes, no values): nothing to run eagerly, export or "
+                         "compare" if all(on_meta) else "its weights are on the meta device (shapes, no values), moved "
+                         "there after its calls: nothing to export or compare")
+        return True
+    return False
 
 
 def _unobserved(result: ModelResult, recorder: Any) -> None:

@@ -7,6 +7,7 @@ a graph of their own, they do not fail this one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -77,7 +78,7 @@ class GraphCheck:
             self._verify(self.runner)
             if not context.examples:
                 return
-            variation = self._variations(self.runner)
+            variation = self._variations(self.runner, outcome.trace_key)
             if not variation.failed:
                 return
             if not self._guesses_kept_static(variation, outcome.onnx_path):
@@ -125,8 +126,7 @@ class GraphCheck:
     def _export(self) -> ExportOutcome:
         context, result = self.context, self.result
         context.progress(Stage.TORCH_EXPORT, self.plan.name)
-        settings = context.settings
-        cache = ExportCache(settings.cache_dir, context.patches.paths) if settings.use_cache else None
+        cache = self._cache()
         probe = SizeProbe(self.shapes, context.eager(self.shapes, flat=False))
         outcome = context.quiet(lambda: export_model(
             context.module, self.shapes, context.settings.target, self.directory / "model.onnx", cache,
@@ -274,12 +274,27 @@ class GraphCheck:
             result.notes.append(f"references {fresh.origin}")
         return found
 
-    def _variations(self, runner: GraphRunner) -> VariationOutcome:
+    def _cache(self) -> ExportCache | None:
+        settings = self.context.settings
+        return ExportCache(settings.cache_dir, self.context.patches.paths) if settings.use_cache else None
+
+    def _variations(self, runner: GraphRunner, trace_key: str) -> VariationOutcome:
         """Generated shapes: a failure is kind ``variation`` with the failing sizes nearest the
-        traced ones."""
+        traced ones.  Variations this trace passed on an earlier run with the same settings (the
+        export cache's exploration entry) are not explored again: what they depend on, the
+        model's code and configuration, the traced graph and the shape model, is the trace's key;
+        the weights' values are not (the recorded calls were verified with this run's)."""
         context, result = self.context, self.result
         context.progress(Stage.VARIATIONS, self.plan.name)
         result.stage = Stage.VARIATIONS
+        cache = self._cache()
+        key = cache.exploration_key(trace_key, self._exploration_settings()) if cache and trace_key else ""
+        earlier = VariationOutcome.from_json(cache.load_exploration(key)) if cache and key else None
+        if earlier is not None and not earlier.failed:
+            result.variations = earlier.to_json()
+            result.notes.append(f"variations: as explored on an earlier run of this trace ({earlier.valid} "
+                                f"examples passed), not again (the export cache holds the outcome)")
+            return earlier
         begin = time.perf_counter()
         with writing(Stage.VARIATIONS, f"the hypothesis database in {self.directory}"):
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -292,6 +307,9 @@ class GraphCheck:
         ))
         result.timings["variations"] = time.perf_counter() - begin
         result.variations = variation.to_json()
+        if cache and key and not variation.failed:
+            with contextlib.suppress(OSError):  # an unwritable cache costs the next run its speed, noted by the export
+                cache.store_exploration(key, result.variations)
         if variation.tried and not variation.valid:
             result.notes.append(
                 f"variations: eager rejected all {variation.tried} generated examples: the model relates "
@@ -311,6 +329,13 @@ class GraphCheck:
                 self._explain(leaves, context.eager(self.shapes)(detached_clone(leaves)), values=True)
             self._repro(variation.failing_leaves)
         return variation
+
+    def _exploration_settings(self) -> dict[str, Any]:
+        """What an exploration of this graph depends on besides its trace."""
+        context = self.context
+        return {"examples": context.examples, "seed": context.settings.hypothesis_seed,
+                "atol": context.tolerance.atol, "rtol": context.tolerance.rtol, "shapes": self.shapes.to_json(),
+                "asserted": [str(condition) for condition in self.asserted]}
 
     def _localize(self, leaves: list[Any], expected: Sequence[Any]) -> None:
         """Name the node a mismatch of the ONNX graph on ``leaves`` comes from (see

@@ -29,9 +29,10 @@ from ..observe.binding import CONSTANT_TYPES
 from ..observe.store import ModelGroup
 from .base.result import ModelResult
 from .base.settings import CheckSettings
-from .check import check_model
+from .check import check_model, settled
 from .export.cache import ExportCache
 from .export.pipeline import prepare
+from .spilled import SpilledWeights, return_free_memory
 
 _STEP_WORDS = {Stage.TORCH_EXPORT: "export"}  # the export step runs torch.export and the translation
 
@@ -73,24 +74,46 @@ def check_all(
     per model and stage.  With ``isolate`` or ``jobs`` > 1 each check runs in a forked child,
     ``jobs`` of them at once, the most expensive first (fewer groups: as many jobs as groups,
     each with the threads of the jobs left unused).  Each check runs with ``threads`` torch
-    threads (``None``: as many as now)."""
+    threads (``None``: as many as now).  Forked checks run with the models' weights on disk
+    (:mod:`.spilled`), each child mapping its own."""
     groups = list(groups)
+    total, first = len(groups), 1
+    if isolate or jobs > 1:  # a group with nothing to export needs no process of its own
+        unsettled = []
+        for group in groups:
+            if (result := settled(group)) is None:
+                unsettled.append(group)
+                continue
+            yield _Progress(f"exportobs [{first}/{total}] {group.name}", progress).done(result)
+            first += 1
+        groups = unsettled
+    if not groups:
+        return
     if jobs > 1:  # the longest checks first: the last to end is then a short one, not a straggler
         groups.sort(key=expected_cost, reverse=True)
     used = max(1, min(jobs, len(groups)))
     threads, jobs = torch.get_num_threads() if threads is None else threads * jobs // used, used
-    trackers = [_Progress(f"exportobs [{i}/{len(groups)}] {g.name}", progress) for i, g in enumerate(groups, 1)]
+    trackers = [_Progress(f"exportobs [{i}/{total}] {g.name}", progress) for i, g in enumerate(groups, first)]
     forked = isolate or jobs > 1
+    spilled = None
     try:
-        if forked:  # in turn, the first export imports and builds them, and a rerun the cache serves needs neither
+        if forked:
+            spilled = SpilledWeights.spill(groups, settings.export_dir)  # first: the imports grow a smaller heap
+            return_free_memory()
+            # once for every child (in turn, the first export imports, and a rerun the cache serves needs no registry)
             prepare(settings.target, ExportCache(settings.cache_dir) if settings.use_cache else None)
-            _return_free_memory()
     except KeyboardInterrupt:
+        if spilled is not None:
+            spilled.remove()
         yield from map(interrupted, groups)
         return
     with _heap_frozen():
         if forked:
-            yield from _forked(groups, settings, trackers, jobs, threads)
+            try:
+                yield from _forked(groups, settings, trackers, jobs, threads, spilled)
+            finally:
+                if spilled is not None:
+                    spilled.remove()
             return
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -112,18 +135,6 @@ def expected_cost(group: ModelGroup) -> int:
 def _plain(value: Any) -> Any:
     """A constant's value; a tensor's or a structure's type (its values do not choose the graph)."""
     return value if value is None or isinstance(value, CONSTANT_TYPES) else type(value).__name__
-
-
-def _return_free_memory() -> None:
-    """Give the C heap's free pages back to the system before forking (glibc's ``malloc_trim``;
-    elsewhere nothing): a forked child maps every resident page of its parent, so what the
-    suite freed but the allocator kept (the gradients of trained models...) would count again in
-    each check's memory."""
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return
-    malloc_trim(0)
 
 
 @contextlib.contextmanager
@@ -296,15 +307,17 @@ class _Child:
 
 def _forked(
     groups: list[ModelGroup], settings: CheckSettings, trackers: list[_Progress], jobs: int, threads: int,
+    spilled: SpilledWeights | None,
 ) -> Iterator[ModelResult]:
     """Check each group in a forked child, ``jobs`` at once: a native crash fails its model, not
-    the session.  A child is killed when its time is up or the session is interrupted."""
+    the session.  A child is killed when its time is up or the session is interrupted.  The
+    weights ``spilled`` to disk are restored in each child."""
     waiting = list(zip(groups, trackers))
     running: list[_Child] = []
     try:
         while waiting or running:
             while waiting and len(running) < jobs:
-                started = _start(*waiting[0], settings, threads)
+                started = _start(*waiting[0], settings, threads, spilled)
                 waiting.pop(0)  # only now: a Ctrl-C while starting leaves it waiting, reported interrupted
                 if isinstance(started, _Child):
                     running.append(started)
@@ -320,11 +333,13 @@ def _forked(
         yield from (interrupted(g) for g, _ in waiting)
 
 
-def _start(group: ModelGroup, tracker: _Progress, settings: CheckSettings, threads: int) -> _Child | ModelResult:
+def _start(
+    group: ModelGroup, tracker: _Progress, settings: CheckSettings, threads: int, spilled: SpilledWeights | None,
+) -> _Child | ModelResult:
     """Fork the child checking ``group``; the failure when it cannot be started."""
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(group, settings, sender, threads), daemon=True)
+    process = context.Process(target=_child, args=(group, settings, sender, threads, spilled), daemon=True)
     tracker.begin = time.perf_counter()
     try:
         process.start()
@@ -356,9 +371,13 @@ def _kill_timed_out(child: _Child, settings: CheckSettings) -> ModelResult:
     return _timed_out(child.group, settings, child.tracker.stage)
 
 
-def _child(group: ModelGroup, settings: CheckSettings, sender: Connection, threads: int) -> None:
+def _child(
+    group: ModelGroup, settings: CheckSettings, sender: Connection, threads: int, spilled: SpilledWeights | None,
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to answer: it kills this process
     torch.set_num_threads(threads)  # the children share the cores
+    if spilled is not None:
+        spilled.restore(group)
     result = check_model(group, settings, lambda stage, graph: sender.send(("step", (stage.value, graph))))
     sender.send(("result", result.to_json()))
     sender.close()

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import onnx
 import onnxruntime
 import pytest
 import torch
@@ -22,7 +23,7 @@ from pytest_exportobs.engine.verify.compare import OutputLayout, Tolerance, comp
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
 import models
-from models import MLP, Branchy, ConvNet, HalvingUNet
+from models import MLP, Branchy, ConvNet, HalvingUNet, PatchMixer
 
 
 @torch.library.custom_op("exportobs_test::mystery", mutates_args=())
@@ -115,7 +116,8 @@ def test_tolerance_below_the_real_error_fails_as_mismatch_with_numbers(tmp_path:
 
 
 class Transposed(torch.nn.Module):
-    """``x @ w.T``: onnxscript's optimizer folds the transpose of the weight into a new initializer."""
+    """``x @ w.T``: onnxscript's optimizer folds the transpose of a constant weight into a new
+    initializer."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -125,14 +127,29 @@ class Transposed(torch.nn.Module):
         return x @ self.weight.T
 
 
-@pytest.mark.parametrize("module_class", [MLP, Transposed])
+class Normalized(torch.nn.Module):
+    """A linear layer, a batch norm: onnxscript's optimizer folds the norm of constant weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = torch.nn.Linear(8, 6), torch.nn.BatchNorm1d(6)
+        torch.nn.init.uniform_(self.norm.running_var, 0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
+@pytest.mark.parametrize("module_class", [MLP, Transposed, Normalized])
 def test_second_run_hits_the_cache_and_changed_weights_are_applied_by_name(
     tmp_path: Path, module_class: type[torch.nn.Module],
 ) -> None:
-    """A suite that does not seed its models: the cached graph serves the new weights, its
-    optimization (which folds weights into other initializers) redone on them."""
+    """A suite that does not seed its models: the cached graph serves the new weights, applied by
+    name; the file holds each weight it reads under its own name, none folded into another."""
     group = observed(module_class().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
     first = check_model(group, settings(tmp_path))
+    used = {name for name, _ in group.module.named_parameters()} | {
+        name for name, _ in group.module.named_buffers() if not name.endswith("num_batches_tracked")}
+    assert {i.name for i in onnx.load(first.onnx_path).graph.initializer} == used
     second = check_model(group, settings(tmp_path))
     assert (first.cache_hit, second.cache_hit) == (False, True)
     assert second.verdict == "passed" and "torch.export" not in second.timings
@@ -142,12 +159,43 @@ def test_second_run_hits_the_cache_and_changed_weights_are_applied_by_name(
             parameter.mul_(-2.0)
     third = check_model(group, settings(tmp_path))
     assert (third.cache_hit, third.verdict, third.stage) == (True, "passed", "verify")
-    assert "the weights differ from those of the cached graph: applied to it by name and optimized again" in third.notes
+    assert "the weights differ from those of the cached graph: applied to it by name" in third.notes
     assert third.reference.startswith("recomputed on the exported instance for 2 of 2")
     session = onnxruntime.InferenceSession(third.onnx_path)
     x = torch.randn(7, 8)
     (actual,) = session.run(None, {"x": x.numpy()})
     torch.testing.assert_close(torch.from_numpy(actual), group.module(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_rerun_does_not_explore_again_the_variations_its_trace_passed(tmp_path: Path) -> None:
+    """The exploration's outcome is kept with the trace: a rerun (other weights too: a suite that
+    does not seed its models) reports it without running the examples; other exploration settings
+    explore again."""
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    first = check_model(group, CheckSettings(export_dir=tmp_path, examples=6))
+    assert first.verdict == "passed" and "variations" in first.graphs[0].timings
+    with torch.no_grad():
+        for parameter in group.module.parameters():
+            parameter.mul_(-2.0)
+    again = check_model(group, CheckSettings(export_dir=tmp_path, examples=6))
+    assert (again.cache_hit, again.verdict) == (True, "passed")
+    assert "variations" not in again.graphs[0].timings
+    assert again.graphs[0].variations == first.graphs[0].variations
+    valid = first.graphs[0].variations["valid"]
+    assert (f"variations: as explored on an earlier run of this trace ({valid} examples passed), not again (the "
+            "export cache holds the outcome)") in again.notes
+    more = check_model(group, CheckSettings(export_dir=tmp_path, examples=7))
+    assert more.cache_hit and "variations" in more.graphs[0].timings
+
+
+def test_a_rerun_explores_again_the_variations_its_trace_failed(tmp_path: Path) -> None:
+    """PatchMixer fails at sides that are no multiple of its patch (a branch traced once)."""
+    group = observed(PatchMixer().eval(), (torch.randn(2, 3, 8, 8),), (torch.randn(3, 3, 12, 10),))
+    first = check_model(group, CheckSettings(export_dir=tmp_path, examples=6, hypothesis_seed=0))
+    again = check_model(group, CheckSettings(export_dir=tmp_path, examples=6, hypothesis_seed=0))
+    assert (first.verdict, first.kind, again.verdict, again.kind) == ("failed", "variation", "failed", "variation")
+    assert again.cache_hit and "variations" in again.graphs[0].timings
+    assert again.reason == first.reason
 
 
 class Labelled(MLP):
@@ -161,14 +209,17 @@ class Labelled(MLP):
 def test_a_model_whose_trace_is_another_ones_takes_its_translation(tmp_path: Path) -> None:
     """Another configuration is another trace key; the traced program is the same, so the
     decomposition and translation are skipped and the second model's weights applied."""
-    first = check_model(observed(Labelled("a").eval(), (torch.randn(2, 8),), (torch.randn(5, 8),)), settings(tmp_path))
-    second = check_model(observed(Labelled("b").eval(), (torch.randn(3, 8),), (torch.randn(4, 8),)), settings(tmp_path))
+    models = []
+    for seed, label in enumerate("ab"):
+        torch.manual_seed(seed)  # weights of their own, whatever the tests before drew
+        models.append(Labelled(label).eval())
+    first = check_model(observed(models[0], (torch.randn(2, 8),), (torch.randn(5, 8),)), settings(tmp_path))
+    second = check_model(observed(models[1], (torch.randn(3, 8),), (torch.randn(4, 8),)), settings(tmp_path))
     assert (first.verdict, second.verdict) == ("passed", "passed")
     assert (first.cache_hit, second.cache_hit) == (False, False)
     assert ("decompose" in first.timings, "decompose" in second.timings) == (True, False)
     assert {"the traced graph is one the export cache holds: decomposition and translation skipped",
-            "the weights differ from those of the cached graph: applied to it by name and optimized again"
-            } <= set(second.notes)
+            "the weights differ from those of the cached graph: applied to it by name"} <= set(second.notes)
 
 
 def test_a_model_loaded_from_another_directory_hits_the_cache(tmp_path: Path) -> None:
@@ -1223,6 +1274,26 @@ def test_a_batch_of_one_model_is_checked_in_process_with_the_threads_of_the_unus
     group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
     results = list(runner.check_all([group], settings(tmp_path), isolate=False, jobs=2, threads=1))
     assert [r.verdict for r in results] == ["passed"] and threads_seen == [2]
+
+
+def test_forked_checks_settle_groups_with_nothing_to_export_in_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model called on the meta device (timm's tests build models there) gets its verdict
+    without a process of its own; the two models left are checked as any batch of two."""
+    from pytest_exportobs.engine import runner
+
+    forked: list[str] = []
+    monkeypatch.setattr(runner, "_forked", lambda groups, *rest: forked.extend(g.name for g in groups) or iter(()))
+    monkeypatch.setattr(runner, "prepare", lambda *args: None)
+    on_meta = observed(MLP().to("meta"), (torch.randn(2, 8, device="meta"),), name="on_meta")
+    checked = [observed(MLP().eval(), (torch.randn(2, 8),), name=f"mlp{i}") for i in range(2)]
+    lines: list[str] = []
+    results = list(runner.check_all([checked[0], on_meta, checked[1]], settings(tmp_path), isolate=False, jobs=2,
+                                    progress=lines.append))
+    assert [(r.name, r.verdict, r.stage) for r in results] == [("on_meta", "skipped", "observe")]
+    assert lines == [f"exportobs [1/3] on_meta: skipped in {lines[0].split(' in ')[1]}"]
+    assert sorted(forked) == ["mlp0", "mlp1"]
 
 
 class _Scaled(torch.nn.Module):

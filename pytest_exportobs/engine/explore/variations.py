@@ -92,6 +92,14 @@ class VariationOutcome:
         del summary["failing_leaves"]
         return summary
 
+    @classmethod
+    def from_json(cls, summary: dict[str, Any] | None) -> VariationOutcome | None:
+        """The outcome :meth:`to_json` summarized; ``None`` for no summary or one of other fields."""
+        try:
+            return None if summary is None else cls(**summary)
+        except TypeError:
+            return None
+
 
 def size_ranges(
     shapes: ShapeModel, max_elements: int = MAX_ELEMENTS, recorded_only: bool = False

@@ -2,11 +2,14 @@
 
 A *trace* entry, keyed by everything the trace depends on except the weights' values, holds what
 the trace established and the key of its graph: a hit skips torch.export.  A *graph* entry, keyed
-by the traced program itself, holds its ONNX translation twice, as translated (the weights are
-initializers named after the module's state) and optimized: a hit skips the decomposition and the
-translation, and graphs that differ only by constants the trace never reads share one.  The
-optimized file serves the weights it was made with; other weights (a suite that does not seed its
-models) are applied by name to the translated file, optimized again: never a stale weight.
+by the traced program itself, holds its ONNX file, optimized with the weights held as inputs (so
+that none is folded into another initializer: they stay initializers named after the module's
+state): a hit skips the decomposition and the translation, and graphs that differ only by
+constants the trace never reads share one.  Other weights than those the file holds (a suite that
+does not seed its models) are applied to it by name: never a stale weight.  An *exploration*
+entry, keyed by the trace and the exploration's settings, holds the outcome of variations the
+graph passed: a rerun does not explore shapes again when nothing they depend on but the weights'
+values changed.
 Verification always runs.  Code paths chosen by environment variables or global state are not
 part of the keys.
 """
@@ -30,8 +33,9 @@ from ...shapes.model import ShapeModel
 from .domain import Refinement
 
 # What an entry holds; a change makes earlier entries miss (3: trace and graph entries, weights
-# applied by name; 4: the dims a trace made static among its refinements)
-ENTRY_FORMAT = 4
+# applied by name; 4: the dims a trace made static among its refinements; 5: one file, optimized
+# with the weights held as inputs)
+ENTRY_FORMAT = 5
 
 
 @dataclass
@@ -49,9 +53,9 @@ class TraceEntry:
 @dataclass
 class GraphEntry:
     """What the translation of a traced program left besides its files: notes of the
-    decomposition and translation, opset and op counts of the optimized file, the initializers that
-    are the module's state (``weight_names``), the digest of the values the optimized file holds
-    (``weights``) and the axis names given to its symbolic dims."""
+    decomposition and translation, opset and op counts of the file, the initializers that are the
+    module's state (``weight_names``), the digest of the values the file holds (``weights``) and
+    the axis names given to its symbolic dims."""
 
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
@@ -63,17 +67,16 @@ class GraphEntry:
 
 @dataclass(frozen=True)
 class GraphHit:
-    """A graph entry found intact: its metadata, the optimized file and the translated one."""
+    """A graph entry found intact: its metadata and its ONNX file."""
 
     entry: GraphEntry
-    optimized: Path
-    translated: Path
+    path: Path
 
 
 @dataclass(frozen=True)
 class ExportCache:
-    """A directory of ``trace-<key>.json`` and ``graph-<key>.{json,onnx,translated.onnx}``
-    entries; ``extra`` (the export patches) is part of every key."""
+    """A directory of ``trace-<key>.json``, ``graph-<key>.{json,onnx}`` and
+    ``explored-<key>.json`` entries; ``extra`` (the export patches) is part of every key."""
 
     directory: Path
     extra: tuple[str, ...] = ()
@@ -122,6 +125,22 @@ class ExportCache:
     def _common(self, digest: Any) -> None:
         digest.update(json.dumps([package_versions(), list(self.extra), ENTRY_FORMAT]).encode())
 
+    def exploration_key(self, trace_key: str, settings: object) -> str:
+        """Hash of a trace's key and the exploration's JSON-native ``settings``."""
+        digest = hashlib.sha256(trace_key.encode())
+        digest.update(json.dumps(settings, sort_keys=True).encode())
+        return digest.hexdigest()[:32]
+
+    def load_exploration(self, key: str) -> dict[str, Any] | None:
+        try:
+            found = json.loads((self.directory / f"explored-{key}.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return found if isinstance(found, dict) else None
+
+    def store_exploration(self, key: str, summary: dict[str, Any]) -> None:
+        write_atomic(self.directory / f"explored-{key}.json", json.dumps(summary))
+
     def holds_traces(self) -> bool:
         """Whether an earlier run stored traces here (a rerun: most exports will be served)."""
         return self.directory.is_dir() and any(self.directory.glob("trace-*.json"))
@@ -139,29 +158,26 @@ class ExportCache:
         write_atomic(self.directory / f"trace-{key}.json", json.dumps(meta))
 
     def load_graph(self, key: str) -> GraphHit | None:
-        """The graph entry when its metadata and both files' digests agree; else ``None``."""
-        optimized, translated = self._graph_files(key)
+        """The graph entry when its metadata and its file's digest agree; else ``None``."""
+        path = self._graph_file(key)
         try:
             meta = json.loads((self.directory / f"graph-{key}.json").read_text())
-            digests = meta.pop("sha256"), meta.pop("translated_sha256")
-            if digests != (_file_digest(optimized), _file_digest(translated)):
+            if meta.pop("sha256") != _file_digest(path):
                 return None
-            return GraphHit(GraphEntry(**meta), optimized, translated)
+            return GraphHit(GraphEntry(**meta), path)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def store_graph(self, key: str, optimized: Path, translated: Path, entry: GraphEntry) -> None:
-        """Add the files under ``key``, the metadata last (atomically: a concurrent reader sees
+    def store_graph(self, key: str, path: Path, entry: GraphEntry) -> None:
+        """Add the file under ``key``, the metadata last (atomically: a concurrent reader sees
         a whole entry or none)."""
-        kept_optimized, kept_translated = self._graph_files(key)
-        copy_atomic(optimized, kept_optimized)
-        copy_atomic(translated, kept_translated)
-        meta = asdict(entry) | {"sha256": _file_digest(kept_optimized),
-                                "translated_sha256": _file_digest(kept_translated)}
+        kept = self._graph_file(key)
+        copy_atomic(path, kept)
+        meta = asdict(entry) | {"sha256": _file_digest(kept)}
         write_atomic(self.directory / f"graph-{key}.json", json.dumps(meta))
 
-    def _graph_files(self, key: str) -> tuple[Path, Path]:
-        return self.directory / f"graph-{key}.onnx", self.directory / f"graph-{key}.translated.onnx"
+    def _graph_file(self, key: str) -> Path:
+        return self.directory / f"graph-{key}.onnx"
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -4,8 +4,10 @@ names its stage)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from ...compat.torch_text import translated_op
 from ...core.vocabulary import Stage
 from ..base.environment import writing
 from ..base.result import ExportFiles
+from .cache import tensor_bytes
 from .decompositions import UNGUARDED_CROSS_ENTROPY
 
 MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
@@ -87,15 +90,54 @@ def check_onnx(path: Path, outcome: ExportFiles) -> None:
     outcome.op_counts = dict(sorted(Counter(n.op_type for n in model.graph.node).items()))
 
 
-def finish(onnx_program: Any, names: dict[str, str], path: Path) -> None:
-    """Optimize the translated program, name its symbolic axes, write it."""
+def finish(onnx_program: Any, names: dict[str, str], path: Path, state: Collection[str]) -> None:
+    """Optimize the translated program with its initializers named in ``state`` (the module's
+    weights) held as inputs, name its symbolic axes, write it.  Held as inputs, the weights are
+    not constants to the optimizer: none is folded into another initializer (a batch norm into
+    its convolution, a weight transposed), so the file written serves any values of them applied
+    by name (onnxruntime folds them when it loads the file)."""
+    graph = onnx_program.model.graph
+    weights = [value for name, value in list(graph.initializers.items()) if name in state]
+    values = {value.name: value.const_value for value in weights}
+    for value in weights:
+        graph.initializers.pop(value.name)
+        value.const_value = None
+        graph.inputs.append(value)
     onnx_program.optimize()
+    for value in weights:
+        graph.inputs.remove(value)
+        if value.uses() or value.is_graph_output():
+            value.const_value = values[value.name]
+            graph.register_initializer(value)
     if names:  # ONNXProgram.rename_axes does the same from torch 2.11 on
         rename_onnx_axes(onnx_program.model, names)
-    save(onnx_program, path)
+    with writing_onnx(path):
+        onnx_program.save(str(path))
 
 
-def save(onnx_program: Any, path: Path) -> None:
+@contextlib.contextmanager
+def writing_onnx(path: Path) -> Iterator[None]:
+    """Around the writing of the ONNX file ``path``, its directory made: a file that cannot be
+    written is the machine's problem (see :func:`~..base.environment.writing`)."""
     with writing(Stage.ONNX_TRANSLATE, f"the ONNX file {path}"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        onnx_program.save(str(path))
+        yield
+
+
+def save_with_weights(source: Path, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Write the ONNX file ``source`` to ``path`` with its initializers named in ``weights``
+    holding those values, as the raw bytes the file stores them in; raises ``ValueError`` when
+    one does not take its weight (another shape or element size)."""
+    import onnx
+
+    model = onnx.load(str(source))
+    for initializer in model.graph.initializer:
+        if initializer.name not in weights:
+            continue
+        tensor, values = weights[initializer.name], tensor_bytes(weights[initializer.name])
+        if tuple(initializer.dims) != tuple(tensor.shape) or len(values) != len(initializer.raw_data):
+            raise ValueError(f"the initializer {initializer.name} does not take a {tensor.dtype} weight of shape "
+                             f"{tuple(tensor.shape)}")
+        initializer.raw_data = values
+    with writing_onnx(path):
+        onnx.save(model, str(path))

@@ -26,7 +26,6 @@ from ...compat.torch_private import (
     import_export_machinery,
     onnx_registry,
     register_translations,
-    translated_program,
 )
 from ...core.text import error_line
 from ...core.trees import spec_paths
@@ -49,7 +48,7 @@ from .domain import (
     read_dims,
     refinements,
 )
-from .onnx_stages import check_onnx, decompose, finish, save, translate
+from .onnx_stages import check_onnx, decompose, finish, save_with_weights, translate, writing_onnx
 from .probe import SizeProbe
 from .trace_inputs import example_to_trace, other_examples
 from .tracing import Capture, Example, Specialized, Traced, reproduces, trace
@@ -81,6 +80,7 @@ class ExportOutcome(ExportFiles):
     dims: dict[str, dict[str, str]] = field(default_factory=dict)
     refinements: list[Refinement] = field(default_factory=list)  # what the export established
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
+    trace_key: str = ""  # the export cache's key of the trace ("" without a cache)
 
 
 class StageFailed(Exception):
@@ -126,7 +126,8 @@ def export_model(
     stages = Stages(outcome)
     assert outcome.example is not None
     if target == Target.ONNX and cache is not None:
-        key = cache.trace_key(module, method, shapes, outcome.example.args, outcome.example.kwargs)
+        key = outcome.trace_key = cache.trace_key(module, method, shapes, outcome.example.args,
+                                                  outcome.example.kwargs)
         if _load_traced(cache, key, module_state(exported), onnx_path, shapes, outcome):
             return outcome
     try:
@@ -291,50 +292,44 @@ def _to_onnx(
             return key
     register_translations(custom_translations())
     first_note = len(outcome.notes)
-    translated = path.with_name(f"{path.stem}.translated.onnx")
     with stages.run(Stage.DECOMPOSE):
         program = decompose(program, outcome.notes)
     with stages.run(Stage.ONNX_TRANSLATE):
         onnx_program = translate(program, outcome.notes)
+        finish(onnx_program, names, path, set(state))
         weight_names = sorted(name for name in onnx_program.model.graph.initializers if name in state)
-        if cache is not None:
-            save(onnx_program, translated)
-        finish(onnx_program, names, path)
     with stages.run(Stage.ONNX_CHECKER):
         check_onnx(path, outcome)
     outcome.onnx_path = str(path)
     if cache is not None:
         weights = state_digest({name: state[name] for name in weight_names})
         entry = GraphEntry(outcome.opset, outcome.op_counts, outcome.notes[first_note:], weight_names, weights, names)
-        _keep(outcome, cache, lambda: cache.store_graph(key, path, translated, entry))
-        translated.unlink(missing_ok=True)
+        _keep(outcome, cache, lambda: cache.store_graph(key, path, entry))
     return key
 
 
 def _place(hit: GraphHit, state: dict[str, torch.Tensor], path: Path, outcome: ExportOutcome) -> bool:
-    """Write the cached graph to ``path`` with the weights of ``state``: the optimized file when
-    they are the ones it holds, else the translated file with them applied by name, optimized
-    again (timed as translation).  ``False`` when that fails (the graph is then exported)."""
+    """Write the cached graph to ``path`` with the weights of ``state``: a copy of the file when
+    they are the ones it holds, else the file with them applied by name (timed as translation).
+    ``False`` when that fails (the graph is then exported)."""
     entry = hit.entry
     if any(name not in state for name in entry.weight_names):
         return False
     weights = {name: state[name] for name in entry.weight_names}
     if state_digest(weights) == entry.weights:
-        with writing(Stage.ONNX_TRANSLATE, f"the ONNX file {path}"):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(hit.optimized, path)
+        with writing_onnx(path):
+            shutil.copyfile(hit.path, path)
     else:
         begin = time.perf_counter()
         try:
-            finish(translated_program(hit.translated, weights), entry.axis_names, path)
+            save_with_weights(hit.path, weights, path)
         except EnvironmentProblem:
             raise
         except Exception:
             return False
         finally:
             outcome.timings[Stage.ONNX_TRANSLATE] = time.perf_counter() - begin
-        outcome.notes.append("the weights differ from those of the cached graph: applied to it by name and "
-                             "optimized again")
+        outcome.notes.append("the weights differ from those of the cached graph: applied to it by name")
     outcome.opset, outcome.op_counts, outcome.onnx_path = entry.opset, entry.op_counts, str(path)
     outcome.notes.extend(note for note in entry.notes if note not in outcome.notes)
     return True
