@@ -92,6 +92,29 @@ def test_one_outcome_per_model(suite: pytest.Pytester, workers: list[str]) -> No
     result.stdout.re_match_lines([r"mlp\s+passed\s+variations\s+2\s+\S+\s+\S+s\s+x\{0:batch\}"])
 
 
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_a_rerun_on_the_export_cache_gives_the_first_runs_verdicts_without_exporting(
+    suite: pytest.Pytester, workers: list[str],
+) -> None:
+    """The same suite twice on one export directory: the same outcomes and dims, every graph
+    from the cache, the variations each graph passed not explored again."""
+    args = ("--export-check", "--export-examples=3", "--junitxml=junit.xml", "--export-report=report.json",
+            "-p", "no:cacheprovider", *workers)
+    reports = []
+    for _ in range(2):
+        suite.runpytest_subprocess(*args).assert_outcomes(passed=6, failed=2, skipped=1)
+        assert junit_cases(suite.path / "junit.xml") == EXPECTED_CASES
+        reports.append({m["name"]: m for m in json.loads((suite.path / "report.json").read_text())["models"]})
+    first, rerun = reports
+    for name in ("mlp", "mlp-failing-test"):
+        assert (first[name]["dims"], rerun[name]["dims"]) == ({"x": {"0": "batch"}}, {"x": {"0": "batch"}})
+        (graph,) = rerun[name]["graphs"]
+        assert graph["cache_hit"] and not {"torch.export", "decompose", "variations"} & graph["timings"].keys()
+        assert graph["variations"] == first[name]["graphs"][0]["variations"]
+        assert any(note.startswith("variations: as explored on an earlier run") for note in graph["notes"])
+    assert rerun["Branchy"]["reason"] == first["Branchy"]["reason"]
+
+
 def test_exit_code_zero_when_every_model_passes(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(models=MODELS, conftest=CONFTEST)
     pytester.makepyfile(test_ok=TEST_MARKED.split("@pytest.mark.observe_export(\"mlp\", name=\"mlp-failing-test\")")[0])
