@@ -73,9 +73,9 @@ def check_all(
     """Yield one result per group, in the order the checks end; ``progress`` receives one line
     per model and stage.  With ``isolate`` or ``jobs`` > 1 each check runs in a forked child,
     ``jobs`` of them at once, the most expensive first (fewer groups: as many jobs as groups,
-    each with the threads of the jobs left unused).  Each check runs with ``threads`` torch
-    threads (``None``: as many as now).  Forked checks run with the models' weights on disk
-    (:mod:`.spilled`), each child mapping its own."""
+    each with the threads of the jobs left unused).  A check in process runs with ``threads``
+    torch threads (``None``: as many as now), a forked one with one (see :func:`_child`); forked
+    checks run with the models' weights on disk (:mod:`.spilled`), each child mapping its own."""
     groups = list(groups)
     total, first = len(groups), 1
     if isolate or jobs > 1:  # a group with nothing to export needs no process of its own
@@ -110,7 +110,7 @@ def check_all(
     with _heap_frozen():
         if forked:
             try:
-                yield from _forked(groups, settings, trackers, jobs, threads, spilled)
+                yield from _forked(groups, settings, trackers, jobs, spilled)
             finally:
                 if spilled is not None:
                     spilled.remove()
@@ -306,7 +306,7 @@ class _Child:
 
 
 def _forked(
-    groups: list[ModelGroup], settings: CheckSettings, trackers: list[_Progress], jobs: int, threads: int,
+    groups: list[ModelGroup], settings: CheckSettings, trackers: list[_Progress], jobs: int,
     spilled: SpilledWeights | None,
 ) -> Iterator[ModelResult]:
     """Check each group in a forked child, ``jobs`` at once: a native crash fails its model, not
@@ -317,7 +317,7 @@ def _forked(
     try:
         while waiting or running:
             while waiting and len(running) < jobs:
-                started = _start(*waiting[0], settings, threads, spilled)
+                started = _start(*waiting[0], settings, spilled)
                 waiting.pop(0)  # only now: a Ctrl-C while starting leaves it waiting, reported interrupted
                 if isinstance(started, _Child):
                     running.append(started)
@@ -334,12 +334,12 @@ def _forked(
 
 
 def _start(
-    group: ModelGroup, tracker: _Progress, settings: CheckSettings, threads: int, spilled: SpilledWeights | None,
+    group: ModelGroup, tracker: _Progress, settings: CheckSettings, spilled: SpilledWeights | None,
 ) -> _Child | ModelResult:
     """Fork the child checking ``group``; the failure when it cannot be started."""
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(group, settings, sender, threads, spilled), daemon=True)
+    process = context.Process(target=_child, args=(group, settings, sender, spilled), daemon=True)
     tracker.begin = time.perf_counter()
     try:
         process.start()
@@ -372,10 +372,12 @@ def _kill_timed_out(child: _Child, settings: CheckSettings) -> ModelResult:
 
 
 def _child(
-    group: ModelGroup, settings: CheckSettings, sender: Connection, threads: int, spilled: SpilledWeights | None,
+    group: ModelGroup, settings: CheckSettings, sender: Connection, spilled: SpilledWeights | None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to answer: it kills this process
-    torch.set_num_threads(threads)  # the children share the cores
+    # one thread: GNU OpenMP (torch's) is not fork-safe, a parallel region of more threads waits
+    # forever for the parent's thread team (the tests' models made it), which fork did not copy
+    torch.set_num_threads(1)
     if spilled is not None:
         spilled.restore(group)
     result = check_model(group, settings, lambda stage, graph: sender.send(("step", (stage.value, graph))))

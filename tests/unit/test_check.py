@@ -1276,6 +1276,35 @@ def test_a_batch_of_one_model_is_checked_in_process_with_the_threads_of_the_unus
     assert [r.verdict for r in results] == ["passed"] and threads_seen == [2]
 
 
+class Wider(torch.nn.Module):
+    """Large enough that torch runs its copies and products in parallel regions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(1024, 1024)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).relu()
+
+
+def test_an_isolated_check_after_the_parent_ran_parallel_torch_does_not_hang(tmp_path: Path) -> None:
+    """GNU OpenMP is not fork-safe: with the parent's thread team made (the tests ran models on
+    several threads), a child's parallel region of more than one thread waited forever (here:
+    until the time limit killed it)."""
+    from pytest_exportobs.engine import runner
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.randn(2048, 2048).clone()  # a parallel region in this process
+        group = observed(Wider().eval(), (torch.randn(256, 1024),), (torch.randn(300, 1024),))
+        checked = CheckSettings(export_dir=tmp_path, examples=0, timeout=60)
+        (result,) = runner.check_all([group], checked, isolate=True, threads=2)
+    finally:
+        torch.set_num_threads(previous)
+    assert (result.verdict, result.kind) == ("passed", None), result.reason
+
+
 def test_forked_checks_settle_groups_with_nothing_to_export_in_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
