@@ -30,7 +30,7 @@ from .explore.variations import VariationOutcome, explore
 from .export.cache import ExportCache
 from .export.domain import conditions
 from .export.pipeline import ExportOutcome, export_model, traced_program
-from .export.probe import SizeProbe, probe_unvaried_dims
+from .export.probe import SizeProbe, probed_unvaried_dims
 from .planning import GraphPlan
 from .repro import write_repro
 from .verify.compare import OutputLayout, padded_note, verify_calls
@@ -69,7 +69,8 @@ class GraphCheck:
 
     def _stages(self) -> None:
         context = self.context
-        self.shapes = probe_unvaried_dims(self.shapes, context.eager(self.shapes), self.result.notes)
+        self.shapes = probed_unvaried_dims(context.module, context.method, self.shapes, context.eager(self.shapes),
+                                           self.result.notes, self._cache())
         while True:
             outcome = self._export()
             self.program = outcome.program

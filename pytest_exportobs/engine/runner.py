@@ -8,38 +8,30 @@ being checked and those not begun are ``interrupted``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import multiprocessing
 import os
 import signal
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from types import FrameType
 from typing import Any
 
 import torch
 
 from ..core.vocabulary import Kind, Stage, Verdict
-from ..observe.binding import CONSTANT_TYPES
 from ..observe.store import ModelGroup
 from .base.result import ModelResult
 from .base.settings import CheckSettings
 from .check import check_model, settled
 from .export.cache import ExportCache
 from .export.pipeline import prepare
+from .limits import ModelTimeout, time_limit
+from .placement import CheckCosts, place
 from .spilled import SpilledWeights, return_free_memory
 
 _STEP_WORDS = {Stage.TORCH_EXPORT: "export"}  # the export step runs torch.export and the translation
-
-
-class ModelTimeout(BaseException):
-    """Raised in the checking thread when the model's time is up: a BaseException, so that no
-    ``except Exception`` in torch or in the engine turns it into an ordinary failure."""
 
 
 @dataclass
@@ -50,6 +42,7 @@ class _Progress:
     write: Callable[[str], None] | None
     stage: Stage = Stage.INFER
     begin: float = field(default_factory=time.perf_counter)
+    seconds: float = 0.0  # the check's, once done
 
     def __call__(self, stage: Stage, graph: str = "") -> None:
         self.stage = stage
@@ -58,7 +51,8 @@ class _Progress:
 
     def done(self, result: ModelResult) -> ModelResult:
         """Write the verdict and the time the check took; return ``result``."""
-        self.line(f"{result.verdict} in {time.perf_counter() - self.begin:.1f}s")
+        self.seconds = time.perf_counter() - self.begin
+        self.line(f"{result.verdict} in {self.seconds:.1f}s")
         return result
 
     def line(self, text: str) -> None:
@@ -71,70 +65,87 @@ def check_all(
     progress: Callable[[str], None] | None = None, jobs: int = 1, threads: int | None = None,
 ) -> Iterator[ModelResult]:
     """Yield one result per group, in the order the checks end; ``progress`` receives one line
-    per model and stage.  With ``isolate`` or ``jobs`` > 1 each check runs in a forked child,
-    ``jobs`` of them at once, the most expensive first (fewer groups: as many jobs as groups,
-    each with the threads of the jobs left unused).  A check in process runs with ``threads``
-    torch threads (``None``: as many as now), a forked one with one (see :func:`_child`); forked
-    checks run with the models' weights on disk (:mod:`.spilled`), each child mapping its own."""
+    per model and stage.  With ``isolate`` or ``jobs`` > 1 checks run in forked children,
+    ``jobs`` of them at once, the most expensive first, then the checks the export cache served
+    last time in process (see :mod:`.placement`).  A check in process runs with ``threads`` torch
+    threads per job (``None``: as many as now), a forked one with one (see :func:`_child`);
+    forked checks run with the models' weights on disk (:mod:`.spilled`), each child mapping its
+    own.  How long each check took is recorded for the next run's placement."""
     groups = list(groups)
     total, first = len(groups), 1
-    if isolate or jobs > 1:  # a group with nothing to export needs no process of its own
-        unsettled = []
-        for group in groups:
-            if (result := settled(group)) is None:
-                unsettled.append(group)
-                continue
-            yield _Progress(f"exportobs [{first}/{total}] {group.name}", progress).done(result)
-            first += 1
-        groups = unsettled
+    unsettled = []  # a group with nothing to export needs no check, nor a process of its own
+    for group in groups:
+        if (result := settled(group)) is None:
+            unsettled.append(group)
+            continue
+        yield _Progress(f"exportobs [{first}/{total}] {group.name}", progress).done(result)
+        first += 1
+    groups = unsettled
     if not groups:
         return
-    if jobs > 1:  # the longest checks first: the last to end is then a short one, not a straggler
-        groups.sort(key=expected_cost, reverse=True)
-    used = max(1, min(jobs, len(groups)))
-    threads, jobs = torch.get_num_threads() if threads is None else threads * jobs // used, used
-    trackers = [_Progress(f"exportobs [{i}/{total}] {g.name}", progress) for i, g in enumerate(groups, first)]
-    forked = isolate or jobs > 1
+    costs = CheckCosts(groups, settings)
+    placed = place(groups, costs, isolate, jobs)
+    ordered = placed.forked + placed.in_process
+    trackers = {id(g): _Progress(f"exportobs [{i}/{total}] {g.name}", progress) for i, g in enumerate(ordered, first)}
+    stopped = False
+    if placed.forked:
+        for result in _recorded(_forked_phase(placed.forked, settings, trackers, jobs), placed.forked, trackers, costs):
+            stopped = stopped or result.verdict == Verdict.INTERRUPTED
+            yield result
+    if stopped:
+        yield from map(interrupted, placed.in_process)
+    elif placed.in_process:
+        in_process_threads = torch.get_num_threads() if threads is None else threads * jobs
+        yield from _recorded(_in_process_phase(placed.in_process, settings, trackers, in_process_threads),
+                             placed.in_process, trackers, costs)
+
+
+def _recorded(
+    results: Iterator[ModelResult], groups: list[ModelGroup], trackers: dict[int, _Progress], costs: CheckCosts,
+) -> Iterator[ModelResult]:
+    """``results``, each check's seconds recorded (an interrupted one's mean nothing)."""
+    by_name = {g.name: g for g in groups}
+    for result in results:
+        group = by_name.get(result.name)
+        if group is not None and result.verdict != Verdict.INTERRUPTED:
+            costs.record(group, trackers[id(group)].seconds)
+        yield result
+
+
+def _forked_phase(
+    groups: list[ModelGroup], settings: CheckSettings, trackers: dict[int, _Progress], jobs: int,
+) -> Iterator[ModelResult]:
+    """The forked checks, their weights spilled to disk meanwhile."""
     spilled = None
     try:
-        if forked:
-            spilled = SpilledWeights.spill(groups, settings.export_dir)  # first: the imports grow a smaller heap
-            return_free_memory()
-            # once for every child (in turn, the first export imports, and a rerun the cache serves needs no registry)
-            prepare(settings.target, ExportCache(settings.cache_dir) if settings.use_cache else None)
+        spilled = SpilledWeights.spill(groups, settings.export_dir)  # first: the imports grow a smaller heap
+        return_free_memory()
+        # once for every child (in turn, the first export imports, and a rerun the cache serves needs no registry)
+        prepare(settings.target, ExportCache(settings.cache_dir) if settings.use_cache else None)
     except KeyboardInterrupt:
         if spilled is not None:
             spilled.remove()
         yield from map(interrupted, groups)
         return
     with _heap_frozen():
-        if forked:
-            try:
-                yield from _forked(groups, settings, trackers, jobs, spilled)
-            finally:
-                if spilled is not None:
-                    spilled.remove()
-            return
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
         try:
-            yield from _in_turn(groups, settings, trackers)
+            yield from _forked(groups, settings, [trackers[id(g)] for g in groups], min(jobs, len(groups)), spilled)
         finally:
-            torch.set_num_threads(previous)
+            if spilled is not None:
+                spilled.remove()
 
 
-def expected_cost(group: ModelGroup) -> int:
-    """What a check is expected to cost, in no unit: the graphs it exports (one per combination
-    of keyword arguments and their plain values among the calls) times the size of each (the
-    model's modules, whose calls become the graph's ops)."""
-    combinations = {tuple(sorted((name, _plain(value)) for name, value in o.kwargs.items()))
-                    for o in group.recorder.observations}
-    return max(1, len(combinations)) * sum(1 for _ in group.module.modules())
-
-
-def _plain(value: Any) -> Any:
-    """A constant's value; a tensor's or a structure's type (its values do not choose the graph)."""
-    return value if value is None or isinstance(value, CONSTANT_TYPES) else type(value).__name__
+def _in_process_phase(
+    groups: list[ModelGroup], settings: CheckSettings, trackers: dict[int, _Progress], threads: int,
+) -> Iterator[ModelResult]:
+    """The checks in this process, one after the other, on ``threads`` torch threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with _heap_frozen():
+            yield from _in_turn(groups, settings, [trackers[id(g)] for g in groups])
+    finally:
+        torch.set_num_threads(previous)
 
 
 @contextlib.contextmanager
@@ -182,84 +193,6 @@ def _result(group: ModelGroup, verdict: Verdict = Verdict.FAILED, **fields: Any)
 def _timed_out(group: ModelGroup, settings: CheckSettings, stage: Stage) -> ModelResult:
     return _result(group, stage=stage, kind=Kind.TIMEOUT,
                    reason=f"timed out after {settings.timeout:g} s during {stage}")
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise :class:`ModelTimeout` in this thread once ``seconds`` have passed in the block.
-
-    On the main thread a ``SIGALRM`` timer (it also cuts a sleep or a blocking system call short;
-    the previous handler and timer are restored); elsewhere, or without ``setitimer``, an
-    asynchronous exception, which Python code sees at its next instruction.  Neither stops
-    native code that never returns to Python (``--export-isolate`` kills such a check), and
-    neither interrupts an import: a module left half-imported would break every later check, so
-    the exception waits until the import is done.
-    """
-    if seconds is None:
-        yield
-    elif threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
-        with _alarm(seconds):
-            yield
-    else:
-        with _async_exception_after(seconds):
-            yield
-
-
-_RETRY = 0.05  # seconds between two looks once the time is up but an import runs
-
-
-def _importing(frame: FrameType | None) -> bool:
-    """Whether ``frame`` or one of its callers runs an import."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-@contextlib.contextmanager
-def _alarm(seconds: float) -> Iterator[None]:
-    def expire(signum: int, frame: FrameType | None) -> None:
-        if _importing(frame):
-            signal.setitimer(signal.ITIMER_REAL, _RETRY)
-            return
-        raise ModelTimeout
-
-    begin = time.monotonic()
-    previous = signal.signal(signal.SIGALRM, expire)
-    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer:  # someone else's timer was running: it goes on, less the time spent here
-            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - begin), 1e-3))
-
-
-@contextlib.contextmanager
-def _async_exception_after(seconds: float) -> Iterator[None]:
-    target, lock, done = threading.get_ident(), threading.Lock(), threading.Event()
-    set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-
-    def interrupt_when_due() -> None:
-        wait = seconds
-        while not done.wait(wait):
-            with lock:
-                if done.is_set():
-                    return
-                if not _importing(sys._current_frames().get(target)):
-                    set_async_exc(ctypes.c_ulong(target), ctypes.py_object(ModelTimeout))
-                    return
-            wait = _RETRY
-
-    threading.Thread(target=interrupt_when_due, name="exportobs-timeout", daemon=True).start()
-    try:
-        yield
-    finally:
-        with lock:
-            done.set()
-        set_async_exc(ctypes.c_ulong(target), None)  # one not seen yet must not hit the caller
 
 
 # seconds between two wake-ups of the parent waiting for its children: a Ctrl-C whose signal

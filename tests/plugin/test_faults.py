@@ -22,7 +22,8 @@ from pytest_exportobs.engine import runner
 from pytest_exportobs.engine.base.result import ModelResult
 from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.export.pipeline import prepare
-from pytest_exportobs.engine.runner import ModelTimeout, check_all, time_limit
+from pytest_exportobs.engine.limits import ModelTimeout, time_limit
+from pytest_exportobs.engine.runner import check_all
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
 from models import MLP, junit_cases

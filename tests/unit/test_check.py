@@ -1338,7 +1338,7 @@ class _Scaled(torch.nn.Module):
 
 def test_forked_checks_begin_with_the_most_expensive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Expected cost: the combinations of keyword constants (graphs) times the modules (ops)."""
-    from pytest_exportobs.engine import runner
+    from pytest_exportobs.engine import placement, runner
 
     store = SessionStore()
     with store.observe(scaled := _Scaled().eval(), "scaled", ObserveOptions(), "test_check.py::test") as two_graphs:
@@ -1347,9 +1347,98 @@ def test_forked_checks_begin_with_the_most_expensive(tmp_path: Path, monkeypatch
         scaled(torch.randn(4, 8), scale=3.0)
     small = observed(MLP().eval(), (torch.randn(2, 8),), name="small")
     larger = observed(_Scaled().eval(), (torch.randn(2, 8),), name="larger")
-    assert [runner.expected_cost(g) for g in (small, larger, two_graphs)] == [3, 4, 8]
+    assert [placement.expected_cost(g) for g in (small, larger, two_graphs)] == [3, 4, 8]
     started: list[str] = []
     monkeypatch.setattr(runner, "_forked", lambda groups, *rest: started.extend(g.name for g in groups) or iter(()))
     monkeypatch.setattr(runner, "prepare", lambda *args: None)
     assert list(runner.check_all([small, two_graphs, larger], settings(tmp_path), isolate=False, jobs=2)) == []
     assert started == ["scaled", "larger", "small"]
+
+
+def test_checks_the_export_cache_served_last_time_run_in_process_and_others_are_forked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rerun: each check's seconds were recorded under what it depends on; the ones served by
+    the cache run in the session's process (a fork costs more than they do), a model whose calls
+    changed has no record and is forked, as is one whose weights are above the in-process bound."""
+    from pytest_exportobs.engine import placement, runner
+
+    def groups(third_batch: int) -> list[ModelGroup]:
+        return [observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),), name="mlp0"),
+                observed(_Scaled().eval(), (torch.randn(2, 8),), (torch.randn(3, 8),), name="scaled"),
+                observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(third_batch, 8),), name="mlp1")]
+
+    checked = settings(tmp_path)
+    first = list(runner.check_all(groups(4), checked, isolate=False, jobs=2))  # forked: nothing recorded yet
+    assert sorted((r.name, r.verdict) for r in first) == [("mlp0", "passed"), ("mlp1", "passed"), ("scaled", "passed")]
+    assert len(list(checked.cache_dir.glob("check-*.json"))) == 3
+    forked: list[str] = []
+    monkeypatch.setattr(runner, "_forked", lambda chosen, *rest: forked.extend(g.name for g in chosen) or iter(()))
+    monkeypatch.setattr(runner, "prepare", lambda *args: None)
+    lines: list[str] = []
+    rerun = list(runner.check_all(groups(4), checked, isolate=False, jobs=2, progress=lines.append))
+    assert forked == [] and [(r.name, r.verdict) for r in rerun] == [("mlp0", "passed"), ("scaled", "passed"),
+                                                                        ("mlp1", "passed")]
+    assert all("export cache hit: torch.export and translation skipped" in r.notes for r in rerun)
+    assert [line.split(": ")[0] for line in lines if " in " in line] == [
+        "exportobs [1/3] mlp0", "exportobs [2/3] scaled", "exportobs [3/3] mlp1"]
+    changed = list(runner.check_all(groups(6), checked, isolate=False, jobs=2))  # mlp1 called at another size
+    assert forked == [] and [r.name for r in changed] == ["mlp0", "scaled", "mlp1"]  # one left to fork: in process
+    monkeypatch.setattr(placement, "IN_PROCESS_BYTES", 0)
+    in_process = list(runner.check_all(groups(4), checked, isolate=False, jobs=2))
+    assert sorted(forked) == ["mlp0", "mlp1", "scaled"] and in_process == []
+    forked.clear()
+    isolated = list(runner.check_all(groups(4), checked, isolate=True, jobs=1))
+    assert sorted(forked) == ["mlp0", "mlp1", "scaled"] and isolated == []
+
+
+def test_a_check_key_changes_with_the_calls_structure_and_the_settings_not_the_weights(tmp_path: Path) -> None:
+    """What places a check is known before it: the module's code and shapes, its calls' structure
+    (not their values), the settings that change what the check does (not the time limit)."""
+    from pytest_exportobs.engine.placement import CheckCosts
+
+    def key(group: ModelGroup, **kwargs: Any) -> str | None:
+        return CheckCosts([group], settings(tmp_path, **kwargs)).keys[id(group)]
+
+    base = key(observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),)))
+    assert base is not None
+    reseeded = MLP().eval()
+    torch.nn.init.normal_(reseeded.l1.weight)
+    assert key(observed(reseeded, (torch.randn(2, 8),), (torch.randn(5, 8),))) == base
+    assert key(observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),)), timeout=30) == base
+    assert key(observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(6, 8),))) != base
+    assert key(observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),)), atol=1e-3) != base
+    assert key(observed(MLP().train(), (torch.randn(2, 8),), (torch.randn(5, 8),))) != base
+    assert CheckCosts([], settings(tmp_path, use_cache=False)).cache is None
+
+
+class FixedBatchTagger(torch.nn.Module):
+    """Tags tokens, written for batches of two (a reshape to the batch it was made for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids).reshape(2, -1, 8))
+
+
+def test_a_rerun_takes_the_dims_eager_rejects_from_the_export_cache_and_other_calls_probe_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pytest_exportobs.engine.export import probe
+
+    probed: list[int] = []
+    original = probe.probe_unvaried_dims
+    monkeypatch.setattr(probe, "probe_unvaried_dims", lambda *args: probed.append(1) or original(*args))
+    model = FixedBatchTagger().eval()
+    calls = [(torch.randint(0, 10, (2, 5)),), (torch.randint(0, 10, (2, 7)),)]
+    first = check_model(observed(model, *calls), settings(tmp_path))
+    assert (first.verdict, first.dims, len(probed)) == ("passed", {"input_ids": {"1": "seq"}}, 1), first.reason
+    (kept,) = [n for n in first.notes if n.startswith("batch kept static: eager rejects batch=3")]
+    rerun = check_model(observed(model, *calls), settings(tmp_path))
+    assert (rerun.verdict, rerun.dims, len(probed)) == ("passed", first.dims, 1)
+    assert kept in rerun.notes and "export cache hit: torch.export and translation skipped" in rerun.notes
+    longer = [(torch.randint(0, 10, (2, 5)),), (torch.randint(0, 10, (2, 9)),)]
+    other = check_model(observed(model, *longer), settings(tmp_path))
+    assert (other.verdict, other.dims, len(probed)) == ("passed", first.dims, 2)

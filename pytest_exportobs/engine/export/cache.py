@@ -9,7 +9,11 @@ constants the trace never reads share one.  Other weights than those the file ho
 does not seed its models) are applied to it by name: never a stale weight.  An *exploration*
 entry, keyed by the trace and the exploration's settings, holds the outcome of variations the
 graph passed: a rerun does not explore shapes again when nothing they depend on but the weights'
-values changed.
+values changed.  A *probe* entry, keyed by the model and the shape model of a graph, holds the
+dims eager rejected at another size: a rerun does not run eager to find them again.  A *check*
+entry, keyed by what a model's check depends on that is known before it begins (the module, its
+calls' structure, the settings), holds how long its last check took: the next run plans its
+checks with it (see :mod:`..placement`), and no verdict depends on it.
 Verification always runs.  Code paths chosen by environment variables or global state are not
 part of the keys.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +70,15 @@ class GraphEntry:
     axis_names: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class ProbeEntry:
+    """What probing a shape model's unvaried dims found: the variables kept ``static`` (eager
+    rejects another size) and the notes saying why."""
+
+    static: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class GraphHit:
     """A graph entry found intact: its metadata and its ONNX file."""
@@ -75,8 +89,9 @@ class GraphHit:
 
 @dataclass(frozen=True)
 class ExportCache:
-    """A directory of ``trace-<key>.json``, ``graph-<key>.{json,onnx}`` and
-    ``explored-<key>.json`` entries; ``extra`` (the export patches) is part of every key."""
+    """A directory of ``trace-<key>.json``, ``graph-<key>.{json,onnx}``, ``explored-<key>.json``,
+    ``probed-<key>.json`` and ``check-<key>.json`` entries; ``extra`` (the export patches) is part
+    of every key."""
 
     directory: Path
     extra: tuple[str, ...] = ()
@@ -87,24 +102,36 @@ class ExportCache:
         arguments bound, the input structure (tree, dtypes, ranks) and its dynamic dims, the names,
         dtypes and shapes of the weights (not their values), the values of tensors held as plain
         attributes, package versions, patches and :data:`ENTRY_FORMAT`."""
-        digest = hashlib.sha256()
-        classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules()})
+        digest = _module_digest(module)
         constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
-        described = [classes, method, shapes.aligned.leaf_names, constants, configuration_text(module)]
-        digest.update(json.dumps(described).encode())
-        for source in _source_files(module):
-            digest.update(source.encode())
-        for name, tensor in module_state(module).items():
-            digest.update(f"{name}:{tensor.dtype}:{tensor.layout}:{tuple(tensor.shape)}".encode())
-        for name, tensor in _tensor_attributes(module):
-            digest.update(name.encode())
-            digest.update(tensor_bytes(tensor))
+        digest.update(json.dumps([method, shapes.aligned.leaf_names, constants]).encode())
         digest.update(json.dumps(shapes.to_json(), sort_keys=True).encode())
-        flat, spec = _pytree.tree_flatten((args, kwargs))
-        digest.update(str(spec).encode())
-        digest.update(repr([(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in flat]).encode())
+        digest.update(_structure(args, kwargs).encode())
         self._common(digest)
         return digest.hexdigest()[:32]
+
+    def check_key(self, module: torch.nn.Module, calls: Iterable[tuple[tuple, dict, bool]], settings: object) -> str:
+        """Hash of what a model's check depends on that is known before it begins: the module as
+        in :meth:`trace_key`, the structure of its recorded ``calls`` (arguments, keyword
+        arguments, training mode; tensors by dtype and shape), the check's JSON-native
+        ``settings``, package versions, patches and :data:`ENTRY_FORMAT`."""
+        digest = _module_digest(module)
+        for args, kwargs, training in calls:
+            digest.update(f"{_structure(args, kwargs)}:{training}".encode())
+        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+        self._common(digest)
+        return digest.hexdigest()[:32]
+
+    def load_check_seconds(self, key: str) -> float | None:
+        """How long the last check under ``key`` took; ``None`` when none is recorded."""
+        try:
+            seconds = json.loads((self.directory / f"check-{key}.json").read_text())["seconds"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return float(seconds) if isinstance(seconds, (int, float)) else None
+
+    def store_check_seconds(self, key: str, seconds: float) -> None:
+        write_atomic(self.directory / f"check-{key}.json", json.dumps({"seconds": round(seconds, 3)}))
 
     def graph_key(self, program: torch.export.ExportedProgram, axis_names: dict[str, str], state: set[str]) -> str:
         """Hash of the traced program: its code with every node's dtype and symbolic shape, its
@@ -140,6 +167,27 @@ class ExportCache:
 
     def store_exploration(self, key: str, summary: dict[str, Any]) -> None:
         write_atomic(self.directory / f"explored-{key}.json", json.dumps(summary))
+
+    def probe_key(self, module: torch.nn.Module, method: str, shapes: ShapeModel) -> str:
+        """Hash of what probing ``shapes``' unvaried dims in eager depends on: the module as in
+        :meth:`trace_key`, the method, the constant arguments, the shape model and its calls'
+        leaves (dtypes and shapes), package versions, patches and :data:`ENTRY_FORMAT`."""
+        digest = _module_digest(module)
+        constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
+        digest.update(json.dumps([method, shapes.aligned.leaf_names, constants, shapes.to_json()], sort_keys=True).encode())
+        for index in range(shapes.aligned.n_calls):
+            digest.update(_structure(tuple(shapes.call_leaves(index)), {}).encode())
+        self._common(digest)
+        return digest.hexdigest()[:32]
+
+    def load_probe(self, key: str) -> ProbeEntry | None:
+        try:
+            return ProbeEntry(**json.loads((self.directory / f"probed-{key}.json").read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def store_probe(self, key: str, entry: ProbeEntry) -> None:
+        write_atomic(self.directory / f"probed-{key}.json", json.dumps(asdict(entry)))
 
     def holds_traces(self) -> bool:
         """Whether an earlier run stored traces here (a rerun: most exports will be served)."""
@@ -195,6 +243,30 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor_bytes(tensor))
     return digest.hexdigest()
+
+
+def _module_digest(module: torch.nn.Module) -> Any:
+    """A SHA-256 object fed with what a trace of ``module`` depends on but its inputs: the classes
+    of the model and its submodules (qualified names and source files), its configuration, the
+    names, dtypes and shapes of the weights (not their values) and the values of tensors held as
+    plain attributes."""
+    digest = hashlib.sha256()
+    classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules()})
+    digest.update(json.dumps([classes, configuration_text(module)]).encode())
+    for source in _source_files(module):
+        digest.update(source.encode())
+    for name, tensor in module_state(module).items():
+        digest.update(f"{name}:{tensor.dtype}:{tensor.layout}:{tuple(tensor.shape)}".encode())
+    for name, tensor in _tensor_attributes(module):
+        digest.update(name.encode())
+        digest.update(tensor_bytes(tensor))
+    return digest
+
+
+def _structure(args: tuple, kwargs: dict) -> str:
+    """The tree of ``args`` and ``kwargs``, tensors by dtype and shape, other leaves by value."""
+    flat, spec = _pytree.tree_flatten((args, kwargs))
+    return f"{spec}{[(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in flat]!r}"
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

@@ -25,6 +25,7 @@ from ...core.vocabulary import RefinementKind
 from ...shapes.dims import Axis, Relation, Variable
 from ...shapes.model import ShapeModel
 from ...shapes.synthesis import complete_sizes, free_variables
+from .onnx_wire import graph_inputs
 
 Shape = tuple[Any, ...]  # per axis: an int (static) or a sympy expression / ONNX dim name
 SAMPLES = 64  # draws of the free sizes a runtime assert must break once to be kept as a condition
@@ -55,10 +56,10 @@ def onnx_shapes(path: str | Path) -> list[Shape]:
     """Shape of every input of an ONNX file, in order: ints and dim names (``None`` if unknown)."""
     import onnx
 
-    model = onnx.load(str(path), load_external_data=False)
+    inputs = [onnx.ValueInfoProto.FromString(serialized) for serialized in graph_inputs(Path(path))]
     return [
         tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in i.type.tensor_type.shape.dim)
-        for i in model.graph.input
+        for i in inputs
     ]
 
 

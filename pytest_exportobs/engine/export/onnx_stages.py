@@ -25,6 +25,7 @@ from ..base.environment import writing
 from ..base.result import ExportFiles
 from .cache import tensor_bytes
 from .decompositions import UNGUARDED_CROSS_ENTROPY
+from .onnx_wire import write_with_weights
 
 MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
 
@@ -126,18 +127,9 @@ def writing_onnx(path: Path) -> Iterator[None]:
 
 def save_with_weights(source: Path, weights: dict[str, torch.Tensor], path: Path) -> None:
     """Write the ONNX file ``source`` to ``path`` with its initializers named in ``weights``
-    holding those values, as the raw bytes the file stores them in; raises ``ValueError`` when
-    one does not take its weight (another shape or element size)."""
-    import onnx
-
-    model = onnx.load(str(source))
-    for initializer in model.graph.initializer:
-        if initializer.name not in weights:
-            continue
-        tensor, values = weights[initializer.name], tensor_bytes(weights[initializer.name])
-        if tuple(initializer.dims) != tuple(tensor.shape) or len(values) != len(initializer.raw_data):
-            raise ValueError(f"the initializer {initializer.name} does not take a {tensor.dtype} weight of shape "
-                             f"{tuple(tensor.shape)}")
-        initializer.raw_data = values
+    holding those values, as the raw bytes the file stores them in (the file is copied and
+    those bytes overwritten, not parsed); raises ``ValueError`` when one does not take its
+    weight (another size)."""
+    values = {name: tensor_bytes(tensor) for name, tensor in weights.items()}
     with writing_onnx(path):
-        onnx.save(model, str(path))
+        write_with_weights(source, values, path)

@@ -15,6 +15,8 @@ synthesized input has; :class:`Reach` names the axes held.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +30,29 @@ from ...shapes.dims import Axis
 from ...shapes.model import ShapeModel
 from ...shapes.synthesis import build_leaves, complete_sizes, export_sizes, free_variables, rows_repeated
 from ..base.eager import ModelRaised
+from .cache import ExportCache, ProbeEntry
 
 Eager = Callable[[list[Any]], Any]
+
+
+def probed_unvaried_dims(
+    module: torch.nn.Module, method: str, shapes: ShapeModel, eager: Eager, notes: list[str],
+    cache: ExportCache | None,
+) -> ShapeModel:
+    """:func:`probe_unvaried_dims`, or what it found on an earlier run for the same module,
+    method and shape model (the export ``cache``'s probe entry): no eager run then."""
+    key = cache.probe_key(module, method, shapes) if cache is not None else ""
+    entry = cache.load_probe(key) if cache is not None else None
+    if entry is None:
+        found: list[str] = []
+        probed = probe_unvaried_dims(shapes, eager, found)
+        kept = {v.name for v in probed.variables}
+        entry = ProbeEntry([v.name for v in shapes.variables if v.name not in kept], found)
+        if cache is not None:
+            with contextlib.suppress(OSError):  # an unwritable cache costs the next run its speed, noted by the export
+                cache.store_probe(key, entry)
+    notes.extend(entry.notes)
+    return functools.reduce(ShapeModel.without, entry.static, shapes)
 
 
 def probe_unvaried_dims(shapes: ShapeModel, eager: Eager, notes: list[str]) -> ShapeModel:

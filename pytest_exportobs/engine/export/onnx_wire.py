@@ -1,0 +1,97 @@
+"""An ONNX file read and patched in place of being parsed whole.
+
+An ONNX file is one ``ModelProto`` in protobuf's wire format: fields one after the other, each a
+tag (field number and wire type) then its value; a message field is a length and the message's
+own fields.  The graph's inputs and the raw bytes of its initializers can be found by walking
+tags, without decoding the weights: a cached graph gets other weights of the same shapes by
+overwriting their bytes in a copy of the file (see :func:`write_with_weights`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+_MODEL_GRAPH = 7  # ModelProto.graph
+_GRAPH_INITIALIZER, _GRAPH_INPUT = 5, 11  # GraphProto.initializer, GraphProto.input
+_TENSOR_NAME, _TENSOR_RAW_DATA = 8, 9  # TensorProto.name, TensorProto.raw_data
+_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5  # wire types
+
+
+def _varint(data: memoryview, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+
+
+def _fields(data: memoryview, begin: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """``(field number, begin, end)`` of each length-delimited field between ``begin`` and
+    ``end`` (a message's fields); other fields are skipped."""
+    position = begin
+    while position < end:
+        tag, position = _varint(data, position)
+        kind = tag & 7
+        if kind == _VARINT:
+            _, position = _varint(data, position)
+        elif kind == _FIXED64:
+            position += 8
+        elif kind == _FIXED32:
+            position += 4
+        elif kind == _LENGTH:
+            length, position = _varint(data, position)
+            yield tag >> 3, position, position + length
+            position += length
+        else:
+            raise ValueError(f"wire type {kind} at byte {position}: not an ONNX file")
+
+
+def _graph(data: memoryview) -> tuple[int, int]:
+    for number, begin, end in _fields(data, 0, len(data)):
+        if number == _MODEL_GRAPH:
+            return begin, end
+    raise ValueError("the ONNX file has no graph")
+
+
+def raw_data_spans(data: memoryview) -> dict[str, tuple[int, int]]:
+    """Where the raw bytes of each initializer of the main graph are: ``{name: (begin, end)}``
+    (initializers stored otherwise, as typed values or external data, are left out)."""
+    spans = {}
+    for number, begin, end in _fields(data, *_graph(data)):
+        if number != _GRAPH_INITIALIZER:
+            continue
+        name, raw = None, None
+        for field, field_begin, field_end in _fields(data, begin, end):
+            if field == _TENSOR_NAME:
+                name = bytes(data[field_begin:field_end]).decode()
+            elif field == _TENSOR_RAW_DATA:
+                raw = (field_begin, field_end)
+        if name is not None and raw is not None:
+            spans[name] = raw
+    return spans
+
+
+def graph_inputs(path: Path) -> list[bytes]:
+    """The serialized ``ValueInfoProto`` of each input of the file's main graph, in order."""
+    data = memoryview(path.read_bytes())
+    return [bytes(data[b:e]) for number, b, e in _fields(data, *_graph(data)) if number == _GRAPH_INPUT]
+
+
+def write_with_weights(source: Path, weights: dict[str, bytes], path: Path) -> None:
+    """Copy ``source`` to ``path`` with the raw bytes of the initializers named in ``weights``
+    replaced; raises ``ValueError`` when one is not stored as raw bytes of that length."""
+    spans = raw_data_spans(memoryview(source.read_bytes()))
+    for name, values in weights.items():
+        begin, end = spans.get(name, (0, -1))
+        if end - begin != len(values):
+            raise ValueError(f"the initializer {name} does not hold {len(values)} raw bytes")
+    shutil.copyfile(source, path)
+    with path.open("r+b") as file:
+        for name, values in weights.items():
+            file.seek(spans[name][0])
+            file.write(values)
