@@ -174,7 +174,8 @@ class ExportCache:
         leaves (dtypes and shapes), package versions, patches and :data:`ENTRY_FORMAT`."""
         digest = _module_digest(module)
         constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
-        digest.update(json.dumps([method, shapes.aligned.leaf_names, constants, shapes.to_json()], sort_keys=True).encode())
+        described = [method, shapes.aligned.leaf_names, constants, shapes.to_json()]
+        digest.update(json.dumps(described, sort_keys=True).encode())
         for index in range(shapes.aligned.n_calls):
             digest.update(_structure(tuple(shapes.call_leaves(index)), {}).encode())
         self._common(digest)
