@@ -2,17 +2,19 @@
 
 Forked checks (``--export-jobs`` above 1, ``--export-isolate``) run side by side, the most
 expensive first: the last to end is then a short one, not a straggler.  A check the export cache
-served on the last run (it took under :data:`IN_PROCESS_SECONDS`) of a model whose weights are
-small runs in the session's process instead, after the forked ones: a fork's start and the pages
+is expected to serve (under :data:`IN_PROCESS_SECONDS`) of a model whose weights are small runs
+in the session's process instead, after the forked ones: a fork's start and the pages
 its child touches cost more than such a check (timm's 42 models, every graph served by the cache:
 13.6 s of checks one after the other in process, 27 s of forked checks two at a time).  A larger
 model's check stays forked: its ONNX file and runtime session (about three copies of its
 weights) stay out of the session's process, whose memory holds every kept model.
 
-What each check took is kept in the export cache under a key known before the check
-(:meth:`~.export.cache.ExportCache.check_key`): a model whose code, configuration, calls or
-settings changed has no record, and is forked as on a first run.  A record only places a check;
-no verdict depends on it.
+What each check is expected to take next time is kept in the export cache under a key known
+before the check (:meth:`~.export.cache.ExportCache.check_key`): what it took, less the stages the
+cache serves next time when it passed (torch.export, decomposition, translation, variations), so
+that the first rerun after a first run is placed as a rerun.  A model whose code, configuration,
+calls or settings changed has no record, and is forked as on a first run.  A record only places
+a check; no verdict depends on it.
 """
 
 from __future__ import annotations
@@ -21,20 +23,25 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..core.vocabulary import Stage, Verdict
 from ..observe.binding import CONSTANT_TYPES
 from ..observe.store import ModelGroup
+from .base.result import ModelResult
 from .base.settings import CheckSettings
 from .export.cache import ExportCache, module_state
 
-IN_PROCESS_SECONDS = 2.0  # a check that took less last time runs in process
+IN_PROCESS_SECONDS = 2.0  # a check expected to take less runs in process
 IN_PROCESS_BYTES = 64 << 20  # the weights of a model checked in process, at most
 
+# the stages of a passed check that the export cache serves on the next run
+_SERVED_BY_THE_CACHE = (Stage.TORCH_EXPORT, Stage.DECOMPOSE, Stage.ONNX_TRANSLATE, Stage.ONNX_CHECKER, Stage.VARIATIONS)
 # settings that decide where the files go or how long a check may take, not what it does
 _PLACEMENT_ONLY = ("export_dir", "use_cache", "timeout")
 
 
 class CheckCosts:
-    """The seconds each group's last check took, as the export cache recorded them."""
+    """What each group's next check is expected to take, in seconds, as the export cache
+    recorded it."""
 
     def __init__(self, groups: Iterable[ModelGroup], settings: CheckSettings):
         self.cache = ExportCache(settings.cache_dir, settings.patches) if settings.use_cache else None
@@ -42,19 +49,29 @@ class CheckCosts:
         self.keys = {} if self.cache is None else {id(g): _check_key(self.cache, g, checked) for g in groups}
 
     def recorded(self, group: ModelGroup) -> float | None:
-        """How long ``group``'s last check took; ``None`` when no check of it is recorded."""
+        """What ``group``'s check is expected to take; ``None`` when no check of it is recorded."""
         key = self.keys.get(id(group))
         return None if self.cache is None or key is None else self.cache.load_check_seconds(key)
 
-    def record(self, group: ModelGroup, seconds: float) -> None:
-        """Keep how long ``group``'s check took, for the next run (a cache that cannot be
-        written plans nothing)."""
+    def record(self, group: ModelGroup, result: ModelResult, seconds: float) -> None:
+        """Keep what ``group``'s next check is expected to take, after this one took ``seconds``
+        (a cache that cannot be written plans nothing)."""
         key = self.keys.get(id(group))
         if self.cache is not None and key is not None:
             try:
-                self.cache.store_check_seconds(key, seconds)
+                self.cache.store_check_seconds(key, expected_rerun_seconds(result, seconds))
             except OSError:
                 pass
+
+
+def expected_rerun_seconds(result: ModelResult, seconds: float) -> float:
+    """What the next check of a model is expected to take after this one took ``seconds``: as
+    much, less the stages the export cache serves next time when this one passed (the first run
+    of a model exports; its rerun, with nothing changed, does not)."""
+    if result.verdict != Verdict.PASSED:
+        return seconds
+    served = sum(result.timings.get(stage, 0.0) for stage in _SERVED_BY_THE_CACHE)
+    return max(0.0, seconds - served)
 
 
 def _check_key(cache: ExportCache, group: ModelGroup, settings: dict[str, Any]) -> str | None:
@@ -96,7 +113,7 @@ def _in_process(group: ModelGroup, costs: CheckCosts) -> bool:
 
 def _expense(group: ModelGroup, costs: CheckCosts) -> tuple[bool, float]:
     """Checks never recorded first (a first run's exports), by :func:`expected_cost`; then by
-    the seconds recorded."""
+    the seconds expected."""
     seconds = costs.recorded(group)
     return (True, expected_cost(group)) if seconds is None else (False, seconds)
 

@@ -103,12 +103,12 @@ def check_all(
 def _recorded(
     results: Iterator[ModelResult], groups: list[ModelGroup], trackers: dict[int, _Progress], costs: CheckCosts,
 ) -> Iterator[ModelResult]:
-    """``results``, each check's seconds recorded (an interrupted one's mean nothing)."""
+    """``results``, what each check took recorded (an interrupted one's means nothing)."""
     by_name = {g.name: g for g in groups}
     for result in results:
         group = by_name.get(result.name)
         if group is not None and result.verdict != Verdict.INTERRUPTED:
-            costs.record(group, trackers[id(group)].seconds)
+            costs.record(group, result, trackers[id(group)].seconds)
         yield result
 
 

@@ -1442,3 +1442,17 @@ def test_a_rerun_takes_the_dims_eager_rejects_from_the_export_cache_and_other_ca
     longer = [(torch.randint(0, 10, (2, 5)),), (torch.randint(0, 10, (2, 9)),)]
     other = check_model(observed(model, *longer), settings(tmp_path))
     assert (other.verdict, other.dims, len(probed)) == ("passed", first.dims, 2)
+
+
+def test_a_passed_first_check_expects_its_rerun_without_the_stages_the_cache_serves() -> None:
+    """The first rerun after a first run is placed as a rerun: what the export, decomposition,
+    translation and variations took is not expected again; a failed check is expected again."""
+    from pytest_exportobs.engine.base.result import GraphResult, ModelResult
+    from pytest_exportobs.engine.placement import expected_rerun_seconds
+
+    timings = {"torch.export": 2.0, "decompose": 3.0, "onnx-translate": 1.0, "onnx-checker": 0.1,
+               "variations": 1.5, "ort-load": 0.2, "verify": 0.1}
+    passed = ModelResult(name="m", verdict="passed", graphs=[GraphResult(name="", verdict="passed", timings=timings)])
+    assert expected_rerun_seconds(passed, 8.0) == pytest.approx(0.4)
+    failed = ModelResult(name="m", verdict="failed", graphs=[GraphResult(name="", verdict="failed", timings=timings)])
+    assert expected_rerun_seconds(failed, 8.0) == 8.0

@@ -12,8 +12,8 @@ graph passed: a rerun does not explore shapes again when nothing they depend on 
 values changed.  A *probe* entry, keyed by the model and the shape model of a graph, holds the
 dims eager rejected at another size: a rerun does not run eager to find them again.  A *check*
 entry, keyed by what a model's check depends on that is known before it begins (the module, its
-calls' structure, the settings), holds how long its last check took: the next run plans its
-checks with it (see :mod:`..placement`), and no verdict depends on it.
+calls' structure, the settings), holds what its next check is expected to take: the next run
+places its checks with it (see :mod:`..placement`), and no verdict depends on it.
 Verification always runs.  Code paths chosen by environment variables or global state are not
 part of the keys.
 """
@@ -123,7 +123,7 @@ class ExportCache:
         return digest.hexdigest()[:32]
 
     def load_check_seconds(self, key: str) -> float | None:
-        """How long the last check under ``key`` took; ``None`` when none is recorded."""
+        """What the next check under ``key`` is expected to take; ``None`` when none is recorded."""
         try:
             seconds = json.loads((self.directory / f"check-{key}.json").read_text())["seconds"]
         except (OSError, ValueError, KeyError, TypeError):
