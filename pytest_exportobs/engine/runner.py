@@ -1,5 +1,6 @@
-"""Check the groups within the session's time limit (``--export-timeout``): one after the other
-in process, or each in a forked child (``--export-isolate``), ``--export-jobs`` children at once.
+"""Check the groups within the session's time limit (``--export-timeout``): each in a forked child
+(``--export-isolate``), ``--export-jobs`` children at once, or one after the other in process
+(:mod:`.placement` decides which).
 
 Ctrl-C (``KeyboardInterrupt``) stops the checks at once (forked children are killed): the models
 being checked and those not begun are ``interrupted``.
@@ -66,11 +67,11 @@ def check_all(
 ) -> Iterator[ModelResult]:
     """Yield one result per group, in the order the checks end; ``progress`` receives one line
     per model and stage.  With ``isolate`` or ``jobs`` > 1 checks run in forked children,
-    ``jobs`` of them at once, the most expensive first, then the checks the export cache served
-    last time in process (see :mod:`.placement`).  A check in process runs with ``threads`` torch
-    threads per job (``None``: as many as now), a forked one with one (see :func:`_child`);
-    forked checks run with the models' weights on disk (:mod:`.spilled`), each child mapping its
-    own.  How long each check took is recorded for the next run's placement."""
+    ``jobs`` of them at once, the most expensive first, then the checks the export cache is
+    expected to serve in process (see :mod:`.placement`).  A check in process runs with
+    ``threads`` torch threads per job (``None``: as many as now), a forked one with one (see
+    :func:`_child`); forked checks run with the models' weights on disk (:mod:`.spilled`), each
+    child mapping its own.  What each check is expected to take next time is recorded."""
     groups = list(groups)
     total, first = len(groups), 1
     unsettled = []  # a group with nothing to export needs no check, nor a process of its own
