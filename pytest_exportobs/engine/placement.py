@@ -47,11 +47,12 @@ class CheckCosts:
         self.cache = ExportCache(settings.cache_dir, settings.patches) if settings.use_cache else None
         checked = {k: v for k, v in asdict(settings).items() if k not in _PLACEMENT_ONLY}
         self.keys = {} if self.cache is None else {id(g): _check_key(self.cache, g, checked) for g in groups}
+        self.expected = {group: self.cache.load_check_seconds(key) for group, key in self.keys.items()
+                         if self.cache is not None and key is not None}
 
     def recorded(self, group: ModelGroup) -> float | None:
         """What ``group``'s check is expected to take; ``None`` when no check of it is recorded."""
-        key = self.keys.get(id(group))
-        return None if self.cache is None or key is None else self.cache.load_check_seconds(key)
+        return self.expected.get(id(group))
 
     def record(self, group: ModelGroup, result: ModelResult, seconds: float) -> None:
         """Keep what ``group``'s next check is expected to take, after this one took ``seconds``
@@ -99,7 +100,8 @@ def place(groups: list[ModelGroup], costs: CheckCosts, isolate: bool, jobs: int)
     if not isolate and jobs <= 1:
         return Placement([], groups)
     cheap = [] if isolate else [g for g in groups if _in_process(g, costs)]
-    forked = [g for g in groups if id(g) not in {id(c) for c in cheap}]
+    cheap_ids = {id(g) for g in cheap}
+    forked = [g for g in groups if id(g) not in cheap_ids]
     if not isolate and len(forked) == 1:
         return Placement([], groups)
     forked.sort(key=lambda g: _expense(g, costs), reverse=True)

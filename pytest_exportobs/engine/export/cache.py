@@ -124,14 +124,12 @@ class ExportCache:
 
     def load_check_seconds(self, key: str) -> float | None:
         """What the next check under ``key`` is expected to take; ``None`` when none is recorded."""
-        try:
-            seconds = json.loads((self.directory / f"check-{key}.json").read_text())["seconds"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        found = self._read(f"check-{key}.json")
+        seconds = found.get("seconds") if isinstance(found, dict) else None
         return float(seconds) if isinstance(seconds, (int, float)) else None
 
     def store_check_seconds(self, key: str, seconds: float) -> None:
-        write_atomic(self.directory / f"check-{key}.json", json.dumps({"seconds": round(seconds, 3)}))
+        self._write(f"check-{key}.json", {"seconds": round(seconds, 3)})
 
     def graph_key(self, program: torch.export.ExportedProgram, axis_names: dict[str, str], state: set[str]) -> str:
         """Hash of the traced program: its code with every node's dtype and symbolic shape, its
@@ -159,14 +157,11 @@ class ExportCache:
         return digest.hexdigest()[:32]
 
     def load_exploration(self, key: str) -> dict[str, Any] | None:
-        try:
-            found = json.loads((self.directory / f"explored-{key}.json").read_text())
-        except (OSError, ValueError):
-            return None
+        found = self._read(f"explored-{key}.json")
         return found if isinstance(found, dict) else None
 
     def store_exploration(self, key: str, summary: dict[str, Any]) -> None:
-        write_atomic(self.directory / f"explored-{key}.json", json.dumps(summary))
+        self._write(f"explored-{key}.json", summary)
 
     def probe_key(self, module: torch.nn.Module, method: str, shapes: ShapeModel) -> str:
         """Hash of what probing ``shapes``' unvaried dims in eager depends on: the module as in
@@ -183,28 +178,27 @@ class ExportCache:
 
     def load_probe(self, key: str) -> ProbeEntry | None:
         try:
-            return ProbeEntry(**json.loads((self.directory / f"probed-{key}.json").read_text()))
-        except (OSError, ValueError, TypeError):
+            return ProbeEntry(**self._read(f"probed-{key}.json"))
+        except TypeError:  # missing, or not an entry's fields
             return None
 
     def store_probe(self, key: str, entry: ProbeEntry) -> None:
-        write_atomic(self.directory / f"probed-{key}.json", json.dumps(asdict(entry)))
+        self._write(f"probed-{key}.json", asdict(entry))
 
     def holds_traces(self) -> bool:
         """Whether an earlier run stored traces here (a rerun: most exports will be served)."""
         return self.directory.is_dir() and any(self.directory.glob("trace-*.json"))
 
     def load_trace(self, key: str) -> TraceEntry | None:
+        meta = self._read(f"trace-{key}.json")
         try:
-            meta = json.loads((self.directory / f"trace-{key}.json").read_text())
             meta["refinements"] = [Refinement.from_json(r) for r in meta["refinements"]]
             return TraceEntry(**meta)
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):  # missing, or not an entry's fields
             return None
 
     def store_trace(self, key: str, entry: TraceEntry) -> None:
-        meta = asdict(entry) | {"refinements": [r.to_json() for r in entry.refinements]}
-        write_atomic(self.directory / f"trace-{key}.json", json.dumps(meta))
+        self._write(f"trace-{key}.json", asdict(entry) | {"refinements": [r.to_json() for r in entry.refinements]})
 
     def load_graph(self, key: str) -> GraphHit | None:
         """The graph entry when its metadata and its file's digest agree; else ``None``."""
@@ -227,6 +221,16 @@ class ExportCache:
 
     def _graph_file(self, key: str) -> Path:
         return self.directory / f"graph-{key}.onnx"
+
+    def _read(self, name: str) -> Any:
+        """The JSON value of the entry file ``name``; ``None`` when it is missing or not JSON."""
+        try:
+            return json.loads((self.directory / name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _write(self, name: str, value: Any) -> None:
+        write_atomic(self.directory / name, json.dumps(value))
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -4,12 +4,12 @@ An ONNX file is one ``ModelProto`` in protobuf's wire format: fields one after t
 tag (field number and wire type) then its value; a message field is a length and the message's
 own fields.  The graph's inputs and the raw bytes of its initializers can be found by walking
 tags, without decoding the weights: a cached graph gets other weights of the same shapes by
-overwriting their bytes in a copy of the file (see :func:`write_with_weights`).
+overwriting their bytes, the rest of the file written as it was (see
+:func:`write_with_weights`).
 """
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,15 +83,14 @@ def graph_inputs(path: Path) -> list[bytes]:
 
 
 def write_with_weights(source: Path, weights: dict[str, bytes], path: Path) -> None:
-    """Copy ``source`` to ``path`` with the raw bytes of the initializers named in ``weights``
-    replaced; raises ``ValueError`` when one is not stored as raw bytes of that length."""
-    spans = raw_data_spans(memoryview(source.read_bytes()))
+    """Write ``source`` to ``path`` with the raw bytes of the initializers named in ``weights``
+    replaced; raises ``ValueError`` when one is not stored as raw bytes of that length (and
+    writes nothing)."""
+    data = bytearray(source.read_bytes())
+    spans = raw_data_spans(memoryview(data))
     for name, values in weights.items():
         begin, end = spans.get(name, (0, -1))
         if end - begin != len(values):
             raise ValueError(f"the initializer {name} does not hold {len(values)} raw bytes")
-    shutil.copyfile(source, path)
-    with path.open("r+b") as file:
-        for name, values in weights.items():
-            file.seek(spans[name][0])
-            file.write(values)
+        data[begin:end] = values
+    path.write_bytes(data)
