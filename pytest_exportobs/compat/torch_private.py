@@ -24,10 +24,12 @@ import torch.utils._pytree as pytree
 from torch._dynamo.exc import UserError as ExportUserError
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .traced_ir import as_translatable, promote_types
+
 __all__ = [
     "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node", "import_export_machinery",
     "onnx_registry", "prepare_for_onnx", "register_translations", "rename_onnx_axes", "rnn_while_loops",
-    "size_oblivious", "sympy_functions", "to_onnx_program", "unchecked_module",
+    "size_oblivious", "sympy_functions", "to_onnx_program", "translated_ops", "unchecked_module",
 ]
 
 # torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
@@ -100,6 +102,7 @@ def register_translations(table: dict[Any, Any]) -> None:
         if op not in _REGISTERED:
             registry.register_op(op, function)
             _REGISTERED.add(op)
+            translated_ops.cache_clear()
             _decomposition_table.cache_clear()
 
 
@@ -114,25 +117,38 @@ def _torchlib_registry() -> Any:
 
 
 @functools.cache
+def translated_ops() -> frozenset[Any]:
+    """The op overloads the registry translates."""
+    from torch.onnx._internal.exporter import _decomp
+
+    return frozenset(_decomp.get_onnx_implemented_overloads(onnx_registry()))
+
+
+@functools.cache
 def _decomposition_table() -> dict[Any, Any]:
     """torch.onnx's decompositions: torch's default ones but of the ops the registry translates."""
     from torch.onnx._internal.exporter import _decomp
 
-    implemented = set(_decomp.get_onnx_implemented_overloads(onnx_registry()))
-    return _decomp.create_onnx_friendly_decomposition_table(implemented)
+    return _decomp.create_onnx_friendly_decomposition_table(set(translated_ops()))
 
 
 def prepare_for_onnx(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """torch.onnx's first step (``_core._prepare_exported_program_for_export``): decompositions,
-    explicit type promotions, assertions removed; its decomposition table built once per
-    registry, not for every export (0.08 s each)."""
+    explicit type promotions, assertions removed.  A program the registry translates as traced
+    up to a few rewrites is not decomposed (:func:`~.traced_ir.as_translatable`: the
+    decomposition is a second trace of the model that would change nothing the translation
+    reads); the decomposition table is built once per registry, not for every export (0.08 s
+    each); the type promotions are made from the values torch.export recorded
+    (:func:`~.traced_ir.promote_types`)."""
     from torch.onnx._internal.exporter import _fx_passes
 
     with size_oblivious():
-        program = program.run_decompositions(dict(_decomposition_table()))  # a copy: torch takes entries out
-        _fx_passes.insert_type_promotion_nodes(program.graph_module)
-        program._graph_module = _fx_passes.remove_assertion_nodes(program.graph_module)
-    return program
+        prepared = as_translatable(program, translated_ops())
+        if prepared is None:  # run_decompositions is given a copy of the table: torch takes entries out
+            prepared = program.run_decompositions(dict(_decomposition_table()))
+        promote_types(prepared.graph_module)
+        prepared._graph_module = _fx_passes.remove_assertion_nodes(prepared.graph_module)
+    return prepared
 
 
 def guards_on_data(error: BaseException, function: str) -> bool:

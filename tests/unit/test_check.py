@@ -902,14 +902,30 @@ class MaskedTokenLoss(torch.nn.Module):
         self.embed, self.head = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 5)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> tuple:
-        logits = self.head(self.embed(input_ids))
+        logits = self.logits(input_ids, attention_mask)
         kept = logits[attention_mask != 0].contiguous().view(-1, 5)
         return torch.nn.functional.cross_entropy(kept, labels[attention_mask != 0].view(-1)), logits
 
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids))
 
-def test_a_loss_over_a_data_dependent_number_of_targets_exports_and_serves_unseen_padding(tmp_path: Path) -> None:
+
+class MaskEdgeTokenLoss(MaskedTokenLoss):
+    """The same loss over logits shifted where the mask changes (``torch.diff``, which torch.onnx
+    decomposes: the program is decomposed, not translated as traced)."""
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        edges = torch.diff(attention_mask, dim=1, prepend=attention_mask[:, :1])
+        return super().logits(input_ids, attention_mask) + edges.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("model_class", [MaskedTokenLoss, MaskEdgeTokenLoss])
+def test_a_loss_over_a_data_dependent_number_of_targets_exports_and_serves_unseen_padding(
+    tmp_path: Path, model_class: type[MaskedTokenLoss],
+) -> None:
     """torch's own decomposition of the loss guards on the number of targets (``Eq(5*u0, 0)``);
-    the engine decomposes it without that guard, and the ONNX computes eager's loss."""
+    translated as traced, the loss is torchlib's; decomposed, the engine decomposes it without
+    that guard (a note says so); either way the ONNX computes eager's loss."""
     from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 
     def batch(rows: int, seq: int, real: list[int]) -> tuple[torch.Tensor, ...]:
@@ -917,10 +933,11 @@ def test_a_loss_over_a_data_dependent_number_of_targets_exports_and_serves_unsee
         return torch.randint(1, 20, (rows, seq)), mask, torch.randint(0, 5, (rows, seq))
 
     torch.manual_seed(0)
-    model = MaskedTokenLoss().eval()
+    model = model_class().eval()
     result = check_model(observed(model, batch(2, 6, [6, 4]), batch(3, 5, [2, 5, 3])), settings(tmp_path))
     assert result.verdict == "passed", result.reason
-    assert "cross_entropy_loss decomposed into _log_softmax and nll_loss_forward" in " ".join(result.notes)
+    note = "cross_entropy_loss decomposed into _log_softmax and nll_loss_forward"
+    assert (note in " ".join(result.notes)) == (model_class is MaskEdgeTokenLoss)
     unseen = batch(4, 9, [9, 1, 5, 7])
     with torch.no_grad():
         expected = model(*unseen)[0]

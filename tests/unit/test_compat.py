@@ -87,14 +87,15 @@ def test_the_exporters_two_steps_and_axis_renaming_make_a_valid_onnx_model() -> 
 
 
 class Promoting(torch.nn.Module):
-    """A linear layer, a layer norm and an integer tensor added to a float one."""
+    """A linear layer, a layer norm, a difference along rows (which torch.onnx decomposes) and
+    an integer tensor added to a float one."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear, self.norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
 
     def forward(self, x: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.linear(x)) + steps
+        return torch.diff(self.norm(self.linear(x)), dim=1) + steps
 
 
 def test_the_onnx_preparation_is_torch_onnxs_own_with_its_decomposition_table_built_once() -> None:
@@ -103,7 +104,7 @@ def test_the_onnx_preparation_is_torch_onnxs_own_with_its_decomposition_table_bu
     import_export_machinery()
 
     def traced() -> torch.export.ExportedProgram:
-        return torch.export.export(Promoting(), (torch.randn(3, 4), torch.arange(4)),
+        return torch.export.export(Promoting(), (torch.randn(3, 4), torch.arange(3)),
                                    dynamic_shapes=({0: torch.export.Dim("batch")}, None))
 
     def targets(program: torch.export.ExportedProgram) -> list[str]:
@@ -113,6 +114,7 @@ def test_the_onnx_preparation_is_torch_onnxs_own_with_its_decomposition_table_bu
     theirs = targets(_core._prepare_exported_program_for_export(traced(), registry=onnx_registry()))
     assert ours[0] == ours[1] == theirs
     assert "prims.convert_element_type.default" in theirs  # the integer tensor promoted explicitly
+    assert "aten.diff.default" not in theirs
 
 
 def test_a_pytree_node_deregistered_is_a_leaf_again_and_registers_again() -> None:

@@ -20,6 +20,7 @@ part of the keys.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -299,10 +300,17 @@ def _source_files(module: torch.nn.Module) -> list[str]:
             continue
         try:
             path = inspect.getsourcefile(cls)
-            texts[path] = Path(path).read_text() if path else cls.__qualname__
+            texts[path] = _source_text(path) if path else cls.__qualname__
         except (OSError, TypeError):
             texts[cls.__qualname__] = f"{cls.__module__}.{cls.__qualname__}"
     return [texts[k] for k in sorted(texts, key=str)]
+
+
+@functools.cache
+def _source_text(path: str) -> str:
+    """A source file's text, read once per process: the code a process runs is the code it
+    imported, whatever happens to the file afterwards."""
+    return Path(path).read_text()
 
 
 def _file_digest(path: Path) -> str:

@@ -1,0 +1,191 @@
+"""A traced program translated to ONNX as traced (without torch's second trace, its
+decomposition) when nothing in it needs decomposing, and left to the decomposition otherwise:
+the ONNX graph serves unseen batches as eager does, either way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pytest_exportobs.compat.torch_private import (
+    import_export_machinery,
+    onnx_registry,
+    prepare_for_onnx,
+    size_oblivious,
+    to_onnx_program,
+    translated_ops,
+)
+from pytest_exportobs.compat.traced_ir import as_translatable
+
+aten = torch.ops.aten
+
+
+class ResidualClassifier(torch.nn.Module):
+    """What the rewrites take: a convolution, a batch norm (eval), in-place ReLU and residual
+    sum, a global average pool, a scale computed under ``no_grad``, casts, a mask made with
+    ``&``, and a negative log-likelihood loss over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(8)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.act(self.norm(self.conv(images)))
+        features += self.conv(images)
+        pooled = F.adaptive_avg_pool2d(features, 1).flatten(1)
+        with torch.no_grad():
+            scale = pooled.abs().amax(dim=1, keepdim=True).to(torch.float64) + 1
+        logits = self.head(pooled / scale.to(torch.float32))
+        keep = (labels >= 0) & (labels < 5)
+        return logits, F.nll_loss(F.log_softmax(logits, dim=-1), torch.where(keep, labels, -100))
+
+
+def _trained_norm(model: ResidualClassifier) -> ResidualClassifier:
+    """Running statistics that are not the identity's, then eval mode."""
+    with torch.no_grad():
+        model.norm.running_mean.uniform_(-0.5, 0.5)
+        model.norm.running_var.uniform_(0.5, 2.0)
+    return model.eval()
+
+
+def _traced(model: torch.nn.Module, *example: torch.Tensor) -> torch.export.ExportedProgram:
+    import_export_machinery()
+    batch = torch.export.Dim("batch")
+    return torch.export.export(model, example, dynamic_shapes=tuple({0: batch} for _ in example))
+
+
+def _targets(program: torch.export.ExportedProgram) -> set[str]:
+    return {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+
+
+def _onnx_outputs(program: torch.export.ExportedProgram, *inputs: torch.Tensor) -> list[np.ndarray]:
+    proto = to_onnx_program(prepare_for_onnx(program)).model_proto
+    session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {graph_input.name: value.numpy() for graph_input, value in zip(session.get_inputs(), inputs)}
+    return session.run(None, feeds)
+
+
+def test_a_program_of_translated_ops_is_rewritten_not_decomposed_and_serves_unseen_batches() -> None:
+    torch.manual_seed(0)
+    model = _trained_norm(ResidualClassifier())
+    program = _traced(model, torch.randn(3, 3, 6, 6), torch.tensor([0, 4, 7]))
+    as_traced_before = str(program.graph)
+
+    taken = as_translatable(program, translated_ops())
+
+    assert taken is not None
+    assert str(program.graph) == as_traced_before  # the traced program is the check's too: left as it is
+    targets = _targets(taken)
+    assert not targets & {"aten.to.dtype", "aten.relu_.default", "aten.add_.Tensor", "aten.batch_norm.default",
+                          "aten.adaptive_avg_pool2d.default", "aten.nll_loss_nd.default", "aten.__and__.Tensor",
+                          "wrap_with_set_grad_enabled"}
+    assert {"aten._to_copy.default", "aten.relu.default", "aten.add.Tensor", "aten.mean.dim",
+            "aten._native_batch_norm_legit_no_training.default", "aten.nll_loss_forward.default",
+            "aten.bitwise_and.Tensor"} <= targets
+    images, labels = torch.randn(5, 3, 6, 6), torch.tensor([1, -1, 4, 9, 0])  # two labels ignored
+    logits, loss = _onnx_outputs(program, images, labels)
+    expected_logits, expected_loss = model(images, labels)
+    np.testing.assert_allclose(logits, expected_logits.detach().numpy(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(loss, expected_loss.detach().numpy(), atol=1e-5, rtol=1e-5)
+
+
+class SliceWritten(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        y[:, 0] = 0  # an in-place write into a view of y
+        return y + 1
+
+
+class InputWritten(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)  # the caller's tensor changes
+        return x * 2
+
+
+class ReadAfterWrite(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        view = y.view(-1)
+        y.relu_()  # the view sees it
+        return view + 1
+
+
+class TrainingNorm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+class Autocast(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = x @ x.transpose(0, 1)
+        return y.float()
+
+
+class PooledToTwo(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.adaptive_avg_pool2d(x, 2)
+
+
+Case = tuple[Callable[[], torch.nn.Module], Callable[[int], torch.Tensor]]
+ROWS, IMAGES = (lambda batch: torch.randn(batch, 4)), (lambda batch: torch.randn(batch, 3, 6, 6))
+DECOMPOSED: dict[str, Case] = {
+    "in-place write into a view": (SliceWritten, ROWS),
+    "in-place write into an input": (InputWritten, ROWS),
+    "in-place write a view reads after": (ReadAfterWrite, ROWS),
+    "average pool to 2x2": (PooledToTwo, IMAGES),
+}
+UNTAKEN: dict[str, Case] = {  # what onnxruntime does with them is not the point: bf16 kernels, batch statistics
+    **DECOMPOSED, "batch norm in training": (lambda: TrainingNorm().train(), ROWS), "autocast region": (Autocast, ROWS),
+}
+
+
+@pytest.mark.parametrize("case", UNTAKEN)
+def test_a_program_a_rewrite_cannot_take_is_not_taken_as_traced(case: str) -> None:
+    make, example = UNTAKEN[case]
+    assert as_translatable(_traced(make(), example(3)), translated_ops()) is None
+
+
+@pytest.mark.parametrize("case", DECOMPOSED)
+def test_a_program_left_to_the_decomposition_serves_unseen_batches(case: str) -> None:
+    torch.manual_seed(0)
+    make, example = DECOMPOSED[case]
+    unseen = example(5)
+    expected = make()(unseen.clone())
+    (got,) = _onnx_outputs(_traced(make(), example(3)), unseen)
+    np.testing.assert_allclose(got, expected.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_t5s_attention_has_its_types_promoted_from_the_values_torch_export_recorded() -> None:
+    """T5's attention output is reshaped through a view torch.export recorded on its trace's
+    strides; torch.onnx's promotion pass, which runs every node again on fake tensors, fails
+    there.  The promotions made from the recorded values do not, and the ONNX graph serves
+    unseen batches and lengths."""
+    import transformers
+    from torch.onnx._internal.exporter import _core
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4)
+    model = transformers.T5EncoderModel(config).eval()
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("length", max=64)
+    import_export_machinery()
+    with size_oblivious():
+        program = torch.export.export(model, (torch.randint(0, 99, (2, 7)),), strict=False,
+                                      dynamic_shapes=({0: batch, 1: length},))
+    with pytest.raises(ValueError, match="Cannot view a tensor"):  # torch.onnx's own preparation
+        _core._prepare_exported_program_for_export(program, registry=onnx_registry())
+    ids = torch.randint(0, 99, (3, 11))
+    (got,) = _onnx_outputs(program, ids)
+    np.testing.assert_allclose(got, model(ids).last_hidden_state.detach().numpy(), atol=1e-5, rtol=1e-5)
