@@ -29,7 +29,8 @@ from .traced_ir import as_translatable, promote_types
 __all__ = [
     "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node", "import_export_machinery",
     "onnx_registry", "prepare_for_onnx", "register_translations", "rename_onnx_axes", "rnn_while_loops",
-    "size_oblivious", "sympy_functions", "to_onnx_program", "translated_ops", "unchecked_module",
+    "size_oblivious", "sympy_functions", "taken_as_traced", "to_onnx_program", "translated_ops",
+    "unchecked_module",
 ]
 
 # torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
@@ -132,10 +133,10 @@ def _decomposition_table() -> dict[Any, Any]:
     return _decomp.create_onnx_friendly_decomposition_table(set(translated_ops()))
 
 
-def prepare_for_onnx(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+def prepare_for_onnx(program: torch.export.ExportedProgram, as_traced: bool = True) -> torch.export.ExportedProgram:
     """torch.onnx's first step (``_core._prepare_exported_program_for_export``): decompositions,
-    explicit type promotions, assertions removed.  A program the registry translates as traced
-    up to a few rewrites is not decomposed (:func:`~.traced_ir.as_translatable`: the
+    explicit type promotions, assertions removed.  With ``as_traced``, a program the registry
+    translates as traced up to a few rewrites is not decomposed (:func:`~.traced_ir.as_translatable`: the
     decomposition is a second trace of the model that would change nothing the translation
     reads); the decomposition table is built once per registry, not for every export (0.08 s
     each); the type promotions are made from the values torch.export recorded
@@ -143,12 +144,31 @@ def prepare_for_onnx(program: torch.export.ExportedProgram) -> torch.export.Expo
     from torch.onnx._internal.exporter import _fx_passes
 
     with size_oblivious():
-        prepared = as_translatable(program, translated_ops())
+        prepared = _as_traced_and_promoted(program) if as_traced else None
         if prepared is None:  # run_decompositions is given a copy of the table: torch takes entries out
             prepared = program.run_decompositions(dict(_decomposition_table()))
-        promote_types(prepared.graph_module)
+            promote_types(prepared.graph_module)
         prepared._graph_module = _fx_passes.remove_assertion_nodes(prepared.graph_module)
     return prepared
+
+
+def _as_traced_and_promoted(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram | None:
+    """The program rewritten to be translated as traced, its type promotions explicit; ``None``
+    when it cannot be, or its promotions fail (the decomposition is then torch.onnx's path)."""
+    prepared = as_translatable(program, translated_ops())
+    if prepared is None:
+        return None
+    try:
+        promote_types(prepared.graph_module)
+    except Exception:
+        return None
+    return prepared
+
+
+def taken_as_traced(prepared: torch.export.ExportedProgram) -> bool:
+    """Whether :func:`prepare_for_onnx` took the program as traced (torch.export's training
+    dialect), not decomposed."""
+    return prepared.dialect == "TRAINING"
 
 
 def guards_on_data(error: BaseException, function: str) -> bool:

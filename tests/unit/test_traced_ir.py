@@ -22,8 +22,6 @@ from pytest_exportobs.compat.torch_private import (
 )
 from pytest_exportobs.compat.traced_ir import as_translatable
 
-aten = torch.ops.aten
-
 
 class ResidualClassifier(torch.nn.Module):
     """What the rewrites take: a convolution, a batch norm (eval), in-place ReLU and residual

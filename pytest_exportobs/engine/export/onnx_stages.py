@@ -17,9 +17,11 @@ from ...compat.torch_private import (
     guards_on_data,
     prepare_for_onnx,
     rename_onnx_axes,
+    taken_as_traced,
     to_onnx_program,
 )
 from ...compat.torch_text import translated_op
+from ...core.text import error_line
 from ...core.vocabulary import Stage
 from ..base.environment import writing
 from ..base.result import ExportFiles
@@ -30,18 +32,21 @@ from .onnx_wire import write_with_weights
 MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
 
 
-def decompose(program: torch.export.ExportedProgram, notes: list[str]) -> torch.export.ExportedProgram:
-    """torch.onnx's preparation, then the nodes left without users removed: it drops the runtime
+def decompose(
+    program: torch.export.ExportedProgram, notes: list[str], as_traced: bool = True,
+) -> torch.export.ExportedProgram:
+    """torch.onnx's preparation (with ``as_traced``, the program taken as traced when it can
+    be), then the nodes left without users removed: it drops the runtime
     asserts but not what only they read (transformers' ``torch_compilable_check`` of a tensor
     condition leaves ``_is_all_true``, which has no ONNX translation).  A loss over a
     data-dependent number of targets, which torch's decomposition cannot take, is decomposed
     with :data:`~.decompositions.UNGUARDED_CROSS_ENTROPY` first (and a note says so)."""
     try:
-        program = prepare_for_onnx(program)
+        program = prepare_for_onnx(program, as_traced)
     except Exception as e:
         if not guards_on_data(e, "nll_loss"):
             raise
-        program = prepare_for_onnx(program.run_decompositions(UNGUARDED_CROSS_ENTROPY))
+        program = prepare_for_onnx(program.run_decompositions(UNGUARDED_CROSS_ENTROPY), as_traced)
         notes.append("cross_entropy_loss decomposed into _log_softmax and nll_loss_forward: torch's own"
                      " decomposition guards on its data-dependent number of targets")
     if program.graph_module.graph.eliminate_dead_code():
@@ -49,17 +54,27 @@ def decompose(program: torch.export.ExportedProgram, notes: list[str]) -> torch.
     return program
 
 
-def translate(program: torch.export.ExportedProgram, notes: list[str]) -> Any:
+def translate(
+    program: torch.export.ExportedProgram, notes: list[str], traced: torch.export.ExportedProgram | None = None,
+) -> Any:
     """The program translated (not yet optimized); when the translation of an op fails
     (torchlib's ``cross_entropy_loss`` with a symbolic ``ignore_index``, as BERT's
     question-answering head passes), that op is decomposed with torch's default decomposition
-    and the program translated again."""
+    and the program translated again.  When a program taken as traced fails, ``traced`` (the
+    program before its preparation) is decomposed as torch.onnx decomposes it and translated
+    instead, as it was before programs were taken as traced (a note says so)."""
     decomposed: list[str] = []
     table = torch.export.default_decompositions()
+    fallback = traced if traced is not None and taken_as_traced(program) else None
     for _ in range(MAX_DECOMPOSED):
         try:
             onnx_program = to_onnx_program(program)
         except Exception as e:
+            if fallback is not None:
+                notes.append("translated after torch.onnx's decomposition: the program as traced failed"
+                             f" ({error_line(e)})")
+                program, fallback = decompose(fallback, notes, as_traced=False), None
+                continue
             op = _failing_op(e)
             if op is None or op not in table:
                 raise

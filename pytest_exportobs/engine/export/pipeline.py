@@ -293,9 +293,9 @@ def _to_onnx(
     register_translations(custom_translations())
     first_note = len(outcome.notes)
     with stages.run(Stage.DECOMPOSE):
-        program = decompose(program, outcome.notes)
+        prepared = decompose(program, outcome.notes)
     with stages.run(Stage.ONNX_TRANSLATE):
-        onnx_program = translate(program, outcome.notes)
+        onnx_program = translate(prepared, outcome.notes, traced=program)
         finish(onnx_program, names, path, set(state))
         weight_names = sorted(name for name in onnx_program.model.graph.initializers if name in state)
     with stages.run(Stage.ONNX_CHECKER):
