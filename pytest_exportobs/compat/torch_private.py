@@ -136,11 +136,11 @@ def _decomposition_table() -> dict[Any, Any]:
 def prepare_for_onnx(program: torch.export.ExportedProgram, as_traced: bool = True) -> torch.export.ExportedProgram:
     """torch.onnx's first step (``_core._prepare_exported_program_for_export``): decompositions,
     explicit type promotions, assertions removed.  With ``as_traced``, a program the registry
-    translates as traced up to a few rewrites is not decomposed (:func:`~.traced_ir.as_translatable`: the
-    decomposition is a second trace of the model that would change nothing the translation
-    reads); the decomposition table is built once per registry, not for every export (0.08 s
-    each); the type promotions are made from the values torch.export recorded
-    (:func:`~.traced_ir.promote_types`)."""
+    translates as traced up to a few rewrites is not decomposed
+    (:func:`~.traced_ir.as_translatable`: the decomposition is a second trace of the model that
+    would change nothing the translation reads); the decomposition table is built once per
+    registry, not for every export (0.08 s each); the type promotions are made from the values
+    torch.export recorded (:func:`~.traced_ir.promote_types`)."""
     from torch.onnx._internal.exporter import _fx_passes
 
     with size_oblivious():

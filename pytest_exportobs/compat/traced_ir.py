@@ -27,10 +27,11 @@ __all__ = ["as_translatable", "promote_types"]
 
 aten = torch.ops.aten
 _GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
-_ASSERTS = frozenset({
+# the assertions torch.onnx's preparation removes after its decomposition (``remove_assertion_nodes``)
+_ASSERTS_TORCH_ONNX_REMOVES = frozenset({
     aten.sym_constrain_range_for_size.default, aten._assert_async.default, aten._assert_async.msg,
     aten._assert_scalar.default, aten._assert_tensor_metadata.default,
-})  # torch.onnx removes them after its decomposition
+})
 
 
 def _arguments(node: torch.fx.Node) -> dict[str, Any]:
@@ -207,7 +208,7 @@ def _view(target: Any) -> bool:
 
 def _translatable(target: Any, translated: Collection[Any]) -> bool:
     if isinstance(target, torch._ops.OpOverload):
-        return target in _ASSERTS or (target in translated and not target._schema.is_mutable)
+        return target in _ASSERTS_TORCH_ONNX_REMOVES or (target in translated and not target._schema.is_mutable)
     return not isinstance(target, torch._ops.HigherOrderOperator)  # getitem, arithmetic on sizes
 
 
