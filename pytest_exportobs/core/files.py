@@ -27,11 +27,21 @@ def write_atomic(path: str | os.PathLike[str], text: str) -> Path:
     return Path(path)
 
 
-def copy_atomic(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
-    """Copy ``source`` to ``path`` as :func:`write_atomic` writes."""
+def copy_atomic(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> os.stat_result:
+    """Copy ``source`` to ``path`` as :func:`write_atomic` writes; the status of the copy, taken
+    before it is moved there (the move keeps its inode, size and modification time: a file
+    another process moves there later has another inode)."""
     with _replacing(Path(path)) as tmp:
         shutil.copyfile(source, tmp)
-    return Path(path)
+        copied = os.stat(tmp)
+    return copied
+
+
+def file_identity(status: os.stat_result) -> list[int]:
+    """Inode, size and modification time of a file in nanoseconds: what changes when the file is
+    replaced or written again, checked without reading it (as Python checks a ``.pyc`` against
+    its source)."""
+    return [status.st_ino, status.st_size, status.st_mtime_ns]
 
 
 @contextlib.contextmanager

@@ -259,6 +259,29 @@ def test_corrupted_cache_entry_is_rebuilt(tmp_path: Path) -> None:
     assert (again.cache_hit, again.verdict) == (False, "passed")
 
 
+def test_a_graph_file_replaced_since_its_entry_was_stored_misses(tmp_path: Path) -> None:
+    """Another process storing the same graph with other weights leaves a file of the same size
+    that the entry's metadata does not describe: taken for the entry, its weights would be stale
+    (the metadata says they are the module's); it misses and the graph is exported again."""
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    check_model(group, settings(tmp_path))
+    (kept,) = (tmp_path / "cache").glob("graph-*.onnx")
+    model = onnx.load(str(kept))
+    for initializer in model.graph.initializer:
+        initializer.raw_data = bytes(len(initializer.raw_data))  # zeros: another model's weights
+    onnx.save(model, str(tmp_path / "other.onnx"))
+    assert (tmp_path / "other.onnx").stat().st_size == kept.stat().st_size
+    os.replace(tmp_path / "other.onnx", kept)
+    again = check_model(group, settings(tmp_path))
+    assert (again.cache_hit, again.verdict) == (False, "passed")
+    assert "onnx-translate" in again.timings
+    session = onnxruntime.InferenceSession(again.onnx_path)
+    x = torch.randn(7, 8)
+    (actual,) = session.run(None, {"x": x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(actual), group.module(x).detach(), atol=1e-5, rtol=1e-5)
+    assert check_model(group, settings(tmp_path)).cache_hit is True
+
+
 def test_target_torch_stops_after_torch_export(tmp_path: Path) -> None:
     group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
     result = check_model(group, settings(tmp_path, target="torch"))

@@ -55,7 +55,8 @@ def test_weights_written_over_a_copy_are_the_ones_onnxruntime_runs(tmp_path: Pat
     _model(tmp_path / "m.onnx")
     w = np.full((2, 3), 0.5, dtype=np.float32)
     b_twin = np.array([1.0, 2.0, 3.0], dtype=np.float32)
-    write_with_weights(tmp_path / "m.onnx", {"w": w.tobytes(), "b_twin": b_twin.tobytes()}, tmp_path / "new.onnx")
+    assert write_with_weights(tmp_path / "m.onnx", {"w": w.tobytes(), "b_twin": b_twin.tobytes()},
+                              tmp_path / "new.onnx") is True
     written = onnx.load(str(tmp_path / "new.onnx"))
     values = {i.name: numpy_helper.to_array(i) for i in written.graph.initializer}
     np.testing.assert_array_equal(values["w"], w)
@@ -65,6 +66,15 @@ def test_weights_written_over_a_copy_are_the_ones_onnxruntime_runs(tmp_path: Pat
     scale = np.frombuffer(b"abcd", dtype=np.float32)[0] * 2.0
     (y,) = onnxruntime.InferenceSession(str(tmp_path / "new.onnx")).run(None, {"x": x})
     np.testing.assert_allclose(y, (x @ w + b_twin) * scale, rtol=1e-6)
+
+
+def test_the_same_weights_write_the_same_file_and_say_none_differed(tmp_path: Path) -> None:
+    model = _model(tmp_path / "m.onnx")
+    same = {i.name: i.raw_data for i in model.graph.initializer if i.raw_data}
+    assert write_with_weights(tmp_path / "m.onnx", same, tmp_path / "new.onnx") is False
+    assert (tmp_path / "new.onnx").read_bytes() == (tmp_path / "m.onnx").read_bytes()
+    one_changed = same | {"b": np.ones(3, dtype=np.float32).tobytes()}
+    assert write_with_weights(tmp_path / "m.onnx", one_changed, tmp_path / "new.onnx") is True
 
 
 def test_a_weight_of_another_size_or_not_stored_raw_is_refused_and_nothing_written(tmp_path: Path) -> None:

@@ -33,15 +33,16 @@ import torch
 from torch.utils import _pytree
 
 from ...core.configuration import configuration_text
-from ...core.files import copy_atomic, write_atomic
+from ...core.files import copy_atomic, file_identity, write_atomic
 from ...core.versions import package_versions
 from ...shapes.model import ShapeModel
 from .domain import Refinement
 
 # What an entry holds; a change makes earlier entries miss (3: trace and graph entries, weights
 # applied by name; 4: the dims a trace made static among its refinements; 5: one file, optimized
-# with the weights held as inputs)
-ENTRY_FORMAT = 5
+# with the weights held as inputs; 6: a graph file known by its status, its weights compared
+# with the module's as they are written, no digest of them)
+ENTRY_FORMAT = 6
 
 
 @dataclass
@@ -60,14 +61,12 @@ class TraceEntry:
 class GraphEntry:
     """What the translation of a traced program left besides its files: notes of the
     decomposition and translation, opset and op counts of the file, the initializers that are the
-    module's state (``weight_names``), the digest of the values the file holds (``weights``) and
-    the axis names given to its symbolic dims."""
+    module's state (``weight_names``) and the axis names given to its symbolic dims."""
 
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     weight_names: list[str] = field(default_factory=list)
-    weights: str = ""
     axis_names: dict[str, str] = field(default_factory=dict)
 
 
@@ -202,11 +201,12 @@ class ExportCache:
         self._write(f"trace-{key}.json", asdict(entry) | {"refinements": [r.to_json() for r in entry.refinements]})
 
     def load_graph(self, key: str) -> GraphHit | None:
-        """The graph entry when its metadata and its file's digest agree; else ``None``."""
+        """The graph entry when its metadata describes the file there (the file the entry was
+        stored with, neither replaced nor written since); else ``None``."""
         path = self._graph_file(key)
         try:
             meta = json.loads((self.directory / f"graph-{key}.json").read_text())
-            if meta.pop("sha256") != _file_digest(path):
+            if meta.pop("file") != file_identity(path.stat()):
                 return None
             return GraphHit(GraphEntry(**meta), path)
         except (OSError, ValueError, KeyError, TypeError):
@@ -214,10 +214,10 @@ class ExportCache:
 
     def store_graph(self, key: str, path: Path, entry: GraphEntry) -> None:
         """Add the file under ``key``, the metadata last (atomically: a concurrent reader sees
-        a whole entry or none)."""
-        kept = self._graph_file(key)
-        copy_atomic(path, kept)
-        meta = asdict(entry) | {"sha256": _file_digest(kept)}
+        a whole entry or none; a process storing the same key meanwhile leaves a file the
+        metadata does not describe, a miss)."""
+        copied = copy_atomic(path, self._graph_file(key))
+        meta = asdict(entry) | {"file": file_identity(copied)}
         write_atomic(self.directory / f"graph-{key}.json", json.dumps(meta))
 
     def _graph_file(self, key: str) -> Path:
@@ -239,16 +239,6 @@ def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     torch.export gives the program's state and torch.onnx its initializers)."""
     return {**dict(module.named_parameters(remove_duplicate=False)),
             **dict(module.named_buffers(remove_duplicate=False))}
-
-
-def state_digest(state: dict[str, torch.Tensor]) -> str:
-    """SHA-256 of the names and exact values of ``state``."""
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name]
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor_bytes(tensor))
-    return digest.hexdigest()
 
 
 def _module_digest(module: torch.nn.Module) -> Any:
@@ -275,13 +265,13 @@ def _structure(args: tuple, kwargs: dict) -> str:
     return f"{spec}{[(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in flat]!r}"
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The values of any tensor as bytes: 0-dim, non-contiguous, sparse, bfloat16 (which numpy
-    lacks) included."""
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The values of any tensor as bytes, without a copy of a contiguous one: 0-dim,
+    non-contiguous, sparse, bfloat16 (which numpy lacks) included."""
     value = tensor.detach().cpu()
     if value.layout != torch.strided:
         value = value.to_dense()
-    return value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return value.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -311,12 +301,3 @@ def _source_text(path: str) -> str:
     """A source file's text, read once per process: the code a process runs is the code it
     imported, whatever happens to the file afterwards."""
     return Path(path).read_text()
-
-
-def _file_digest(path: Path) -> str:
-    """SHA-256 of the file, read in chunks (``hashlib.file_digest`` is Python 3.11+)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

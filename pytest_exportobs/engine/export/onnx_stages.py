@@ -140,11 +140,11 @@ def writing_onnx(path: Path) -> Iterator[None]:
         yield
 
 
-def save_with_weights(source: Path, weights: dict[str, torch.Tensor], path: Path) -> None:
+def save_with_weights(source: Path, weights: dict[str, torch.Tensor], path: Path) -> bool:
     """Write the ONNX file ``source`` to ``path`` with its initializers named in ``weights``
     holding those values, as the raw bytes the file stores them in (the file is copied and
-    those bytes overwritten, not parsed); raises ``ValueError`` when one does not take its
-    weight (another size)."""
+    those bytes overwritten, not parsed); whether they differed from those ``source`` holds.
+    Raises ``ValueError`` when one does not take its weight (another size)."""
     values = {name: tensor_bytes(tensor) for name, tensor in weights.items()}
     with writing_onnx(path):
-        write_with_weights(source, values, path)
+        return write_with_weights(source, values, path)

@@ -10,8 +10,10 @@ overwriting their bytes, the rest of the file written as it was (see
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+import numpy as np
 
 _MODEL_GRAPH = 7  # ModelProto.graph
 _GRAPH_INITIALIZER, _GRAPH_INPUT = 5, 11  # GraphProto.initializer, GraphProto.input
@@ -82,15 +84,22 @@ def graph_inputs(path: Path) -> list[bytes]:
     return [bytes(data[b:e]) for number, b, e in _fields(data, *_graph(data)) if number == _GRAPH_INPUT]
 
 
-def write_with_weights(source: Path, weights: dict[str, bytes], path: Path) -> None:
+def write_with_weights(source: Path, weights: Mapping[str, bytes | memoryview], path: Path) -> bool:
     """Write ``source`` to ``path`` with the raw bytes of the initializers named in ``weights``
-    replaced; raises ``ValueError`` when one is not stored as raw bytes of that length (and
-    writes nothing)."""
-    data = bytearray(source.read_bytes())
-    spans = raw_data_spans(memoryview(data))
+    replaced; whether any of them differed from the bytes ``source`` holds.  Raises
+    ``ValueError`` when one is not stored as raw bytes of that length (and writes nothing)."""
+    data = bytearray(source.stat().st_size)
+    with source.open("rb") as file:
+        file.readinto(data)
+    view = memoryview(data)
+    spans = raw_data_spans(view)
+    changed = False
     for name, values in weights.items():
         begin, end = spans.get(name, (0, -1))
         if end - begin != len(values):
             raise ValueError(f"the initializer {name} does not hold {len(values)} raw bytes")
-        data[begin:end] = values
+        if not np.array_equal(np.frombuffer(view[begin:end], np.uint8), np.frombuffer(values, np.uint8)):
+            view[begin:end] = values
+            changed = True
     path.write_bytes(data)
+    return changed

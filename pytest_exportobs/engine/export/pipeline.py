@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import shutil
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -35,7 +34,7 @@ from ..base.environment import EnvironmentProblem, writing
 from ..base.reasons import one_line_reason
 from ..base.result import ExportFiles
 from .bound import bind_constants
-from .cache import ExportCache, GraphEntry, GraphHit, TraceEntry, module_state, state_digest
+from .cache import ExportCache, GraphEntry, GraphHit, TraceEntry, module_state
 from .domain import (
     Refinement,
     Shape,
@@ -48,7 +47,7 @@ from .domain import (
     read_dims,
     refinements,
 )
-from .onnx_stages import check_onnx, decompose, finish, save_with_weights, translate, writing_onnx
+from .onnx_stages import check_onnx, decompose, finish, save_with_weights, translate
 from .probe import SizeProbe
 from .trace_inputs import example_to_trace, other_examples
 from .tracing import Capture, Example, Specialized, Traced, reproduces, trace
@@ -302,33 +301,27 @@ def _to_onnx(
         check_onnx(path, outcome)
     outcome.onnx_path = str(path)
     if cache is not None:
-        weights = state_digest({name: state[name] for name in weight_names})
-        entry = GraphEntry(outcome.opset, outcome.op_counts, outcome.notes[first_note:], weight_names, weights, names)
+        entry = GraphEntry(outcome.opset, outcome.op_counts, outcome.notes[first_note:], weight_names, names)
         _keep(outcome, cache, lambda: cache.store_graph(key, path, entry))
     return key
 
 
 def _place(hit: GraphHit, state: dict[str, torch.Tensor], path: Path, outcome: ExportOutcome) -> bool:
-    """Write the cached graph to ``path`` with the weights of ``state``: a copy of the file when
-    they are the ones it holds, else the file with them applied by name (timed as translation).
-    ``False`` when that fails (the graph is then exported)."""
+    """Write the cached graph to ``path`` with the weights of ``state`` over those it holds:
+    when they differ, they are applied by name (a note says so, timed as translation).  ``False``
+    when that fails (the graph is then exported)."""
     entry = hit.entry
     if any(name not in state for name in entry.weight_names):
         return False
-    weights = {name: state[name] for name in entry.weight_names}
-    if state_digest(weights) == entry.weights:
-        with writing_onnx(path):
-            shutil.copyfile(hit.path, path)
-    else:
-        begin = time.perf_counter()
-        try:
-            save_with_weights(hit.path, weights, path)
-        except EnvironmentProblem:
-            raise
-        except Exception:
-            return False
-        finally:
-            outcome.timings[Stage.ONNX_TRANSLATE] = time.perf_counter() - begin
+    begin = time.perf_counter()
+    try:
+        changed = save_with_weights(hit.path, {name: state[name] for name in entry.weight_names}, path)
+    except EnvironmentProblem:
+        raise
+    except Exception:
+        return False
+    if changed:
+        outcome.timings[Stage.ONNX_TRANSLATE] = time.perf_counter() - begin
         outcome.notes.append("the weights differ from those of the cached graph: applied to it by name")
     outcome.opset, outcome.op_counts, outcome.onnx_path = entry.opset, entry.op_counts, str(path)
     outcome.notes.extend(note for note in entry.notes if note not in outcome.notes)
