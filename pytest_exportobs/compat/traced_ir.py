@@ -214,26 +214,27 @@ def _translatable(target: Any, translated: Collection[Any]) -> bool:
 
 def _inline(region: torch.fx.Node) -> bool:
     """Replace the call of a grad-mode region by the region's nodes (grad mode means nothing
-    to an ONNX graph); ``False`` when its outputs are used otherwise than by index, are the
-    program's outputs (the signature names them) or it holds a region of its own."""
+    to an ONNX graph); ``False``, the graph untouched, when its outputs are used otherwise than
+    by index, are the program's outputs (the signature names them) or it holds a region of its
+    own."""
     graph = region.graph
     body_node: Any = region.args[1]
     operands: Any = region.args[2:]
     body = getattr(graph.owning_module, body_node.target)
-    if body.graph.find_nodes(op="get_attr") or any(user.op == "output" for user in region.users):
+    indexed = isinstance(body.graph.output_node().args[0], (tuple, list))
+    readers = [user for index in region.users for user in index.users] if indexed else list(region.users)
+    if body.graph.find_nodes(op="get_attr") or any(user.op == "output" for user in readers) or (
+            indexed and any(index.target is not operator.getitem for index in region.users)):
         return False
     with graph.inserting_before(region):
-        outputs = graph.graph_copy(body.graph, dict(zip(body.graph.find_nodes(op="placeholder"), operands)))
-    if isinstance(outputs, torch.fx.Node):
-        region.replace_all_uses_with(outputs)
-    elif isinstance(outputs, (tuple, list)) and all(
-            user.target is operator.getitem and "output" not in {u.op for u in user.users} for user in region.users):
-        for user in list(region.users):
-            index: Any = user.args[1]
-            user.replace_all_uses_with(outputs[index])
-            graph.erase_node(user)
+        outputs: Any = graph.graph_copy(body.graph, dict(zip(body.graph.find_nodes(op="placeholder"), operands)))
+    if indexed:
+        for index in list(region.users):
+            position: Any = index.args[1]
+            index.replace_all_uses_with(outputs[position])
+            graph.erase_node(index)
     else:
-        return False
+        region.replace_all_uses_with(outputs)
     graph.erase_node(region)
     if not body_node.users:
         graph.erase_node(body_node)

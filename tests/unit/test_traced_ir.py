@@ -132,6 +132,14 @@ class Autocast(torch.nn.Module):
         return y.float()
 
 
+class GradFreeOutput(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        with torch.no_grad():
+            z = y + 1  # the region's output is the program's, named by its signature
+        return z
+
+
 class PooledToTwo(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.adaptive_avg_pool2d(x, 2)
@@ -144,6 +152,7 @@ DECOMPOSED: dict[str, Case] = {
     "in-place write into an input": (InputWritten, ROWS),
     "in-place write a view reads after": (ReadAfterWrite, ROWS),
     "average pool to 2x2": (PooledToTwo, IMAGES),
+    "grad-mode region returned": (GradFreeOutput, ROWS),
 }
 UNTAKEN: dict[str, Case] = {  # what onnxruntime does with them is not the point: bf16 kernels, batch statistics
     **DECOMPOSED, "batch norm in training": (lambda: TrainingNorm().train(), ROWS), "autocast region": (Autocast, ROWS),
