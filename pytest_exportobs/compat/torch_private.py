@@ -104,7 +104,7 @@ def register_translations(table: dict[Any, Any]) -> None:
             registry.register_op(op, function)
             _REGISTERED.add(op)
             translated_ops.cache_clear()
-            _decomposition_table.cache_clear()
+            onnx_decompositions.cache_clear()
 
 
 _REGISTERED: set[Any] = set()
@@ -126,7 +126,7 @@ def translated_ops() -> frozenset[Any]:
 
 
 @functools.cache
-def _decomposition_table() -> dict[Any, Any]:
+def onnx_decompositions() -> dict[Any, Any]:
     """torch.onnx's decompositions: torch's default ones but of the ops the registry translates."""
     from torch.onnx._internal.exporter import _decomp
 
@@ -146,7 +146,7 @@ def prepare_for_onnx(program: torch.export.ExportedProgram, as_traced: bool = Tr
     with size_oblivious():
         prepared = _as_traced_and_promoted(program) if as_traced else None
         if prepared is None:  # run_decompositions is given a copy of the table: torch takes entries out
-            prepared = program.run_decompositions(dict(_decomposition_table()))
+            prepared = program.run_decompositions(dict(onnx_decompositions()))
             promote_types(prepared.graph_module)
         prepared._graph_module = _fx_passes.remove_assertion_nodes(prepared.graph_module)
     return prepared
@@ -155,7 +155,7 @@ def prepare_for_onnx(program: torch.export.ExportedProgram, as_traced: bool = Tr
 def _as_traced_and_promoted(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram | None:
     """The program rewritten to be translated as traced, its type promotions explicit; ``None``
     when it cannot be, or its promotions fail (the decomposition is then torch.onnx's path)."""
-    prepared = as_translatable(program, translated_ops())
+    prepared = as_translatable(program, translated_ops(), onnx_decompositions())
     if prepared is None:
         return None
     try:

@@ -6,10 +6,15 @@ left, and no in-place op.  Most programs are one small step from that already: a
 decomposition is a single op the registry translates (``tensor.to`` is ``_to_copy``, a batch
 norm in eval ``_native_batch_norm_legit_no_training``, a global average pool a mean), in-place
 ops on tensors nothing else sees (``relu_``, ``x += y``), and code under ``torch.no_grad()``
-(a grad-mode region the translation does not take, and grad mode means nothing to ONNX).
+or ``torch.autocast(..., enabled=False)`` (a region the translation does not take, and grad
+mode means nothing to ONNX, nor an autocast that casts nothing).
 Those are rewritten on a copy of the program, as the decomposition would rewrite them, and the
-copy is translated; any other op the registry lacks, an in-place op another value could see,
-or another higher-order op (autocast, control flow) leaves the program to the decomposition.
+copy is translated.  Another op the registry lacks (``broadcast_tensors``, ``diff``,
+``reshape_as``, ``binary_cross_entropy_with_logits``) is replaced by its decomposition traced
+alone on the fake values torch.export recorded for its inputs: what the decomposition of the
+whole program would make of it, without tracing the model again.  An op whose decomposition
+does not trace so, an in-place op another value could see, or another higher-order op
+(autocast, control flow) leaves the program to the decomposition.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import copy
 import functools
 import operator
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +32,8 @@ __all__ = ["as_translatable", "promote_types"]
 
 aten = torch.ops.aten
 _GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
+_AUTOCAST_REGION = torch.ops.higher_order.wrap_with_autocast
+_SOURCE_METADATA = ("stack_trace", "nn_module_stack", "source_fn_stack")  # where a node comes from in the model
 # the assertions torch.onnx's preparation removes after its decomposition (``remove_assertion_nodes``)
 _ASSERTS_TORCH_ONNX_REMOVES = frozenset({
     aten.sym_constrain_range_for_size.default, aten._assert_async.default, aten._assert_async.msg,
@@ -127,18 +134,25 @@ _REWRITES: dict[Any, Callable[[torch.fx.Node], bool]] = {
 
 def as_translatable(
     program: torch.export.ExportedProgram, translated: Collection[Any],
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
 ) -> torch.export.ExportedProgram | None:
     """A copy of ``program`` whose ops are all in ``translated`` (the registry's ops), with
-    grad-mode regions inlined, the ops of :data:`_REWRITES` rewritten and in-place ops on
-    values nothing else aliases made functional; ``None`` when an op cannot be so.
-    ``program`` itself is left as it is."""
+    grad-mode and disabled autocast regions inlined, the ops of :data:`_REWRITES` rewritten,
+    in-place ops on values nothing else aliases made functional, and any other op the registry
+    lacks replaced by its decomposition traced on its own (``decompositions``: torch.onnx's
+    table; see :func:`_decompose_in_place`); ``None`` when an op cannot be so.  ``program``
+    itself is left as it is."""
     graph = copy.deepcopy(program.graph)
     for traced, copied in zip(program.graph.nodes, graph.nodes):
         copied.name = traced.name  # the names the signature holds: a copy avoids builtins (``input``)
     graph_module = torch.fx.GraphModule(program.graph_module, graph)
     graph_module.meta.update(program.graph_module.meta)
-    if not all(_inline(region) for region in list(graph.find_nodes(op="call_function", target=_GRAD_REGION))):
+    if not all(_inline(region) for region in _inert_regions(graph)):
         return None
+    if decompositions is not None:
+        for node in list(graph.nodes):
+            if _decomposable(node, translated) and not _decompose_in_place(node, decompositions):
+                return None
     before: set[torch.fx.Node] = set()
     for node in list(graph.nodes):
         if node.op == "call_function":
@@ -153,6 +167,64 @@ def as_translatable(
     graph_module.delete_all_unused_submodules()
     graph_module.recompile()
     return program._update(graph_module, program.graph_signature)
+
+
+def _decomposable(node: torch.fx.Node, translated: Collection[Any]) -> bool:
+    """Whether ``node`` calls a functional op the registry lacks that no rewrite takes."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target not in _REWRITES and not target._schema.is_mutable
+            and not _translatable(target, translated))
+
+
+def _decompose_in_place(node: torch.fx.Node, decompositions: Mapping[Any, Callable[..., Any]]) -> bool:
+    """Replace ``node`` by its op's decomposition, traced alone on the fake values torch.export
+    recorded for its inputs (what torch.onnx's decomposition of the whole program, a second
+    trace of the model, makes of this one node): sizes stay the program's symbols, read from the
+    inputs where the decomposition needs them.  The new nodes carry the node's source metadata.
+    ``False``, the graph untouched, when the op has no decomposition that traces to plain ops
+    (one reading a constant tensor, one whose results are not the node's tensors)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = node.all_input_nodes
+    values = [_fake(value) for value in inputs]
+    fake_mode = detect_fake_mode([value for value in values if isinstance(value, torch.Tensor)])
+    result = _fake(node)
+    indexed = isinstance(result, (tuple, list))
+    if fake_mode is None or not all(isinstance(v, torch.Tensor) for v in [*values, *(result if indexed else [result])]):
+        return False
+    op: Any = node.target
+    decomposition = decompositions.get(op, op)
+
+    def call(*tensors: torch.Tensor) -> Any:
+        by_node = dict(zip(inputs, tensors))
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), by_node.__getitem__)
+        return decomposition(*args, **kwargs)
+
+    try:
+        with fake_mode:
+            traced = make_fx(call, decomposition_table=decompositions)(*values)
+    except Exception:  # no decomposition, or one that needs more than the fake values give
+        return False
+    body = traced.graph
+    if body.find_nodes(op="get_attr") or isinstance(body.output_node().args[0], (tuple, list)) != indexed or (
+            indexed and any(index.target is not operator.getitem for index in node.users)):
+        return False
+    graph = node.graph
+    copies: dict[torch.fx.Node, torch.fx.Node] = dict(zip(body.find_nodes(op="placeholder"), inputs))
+    with graph.inserting_before(node):
+        outputs: Any = graph.graph_copy(body, copies)
+    source: dict[str, Any] = {key: node.meta[key] for key in _SOURCE_METADATA if key in node.meta}
+    for original, copy_ in copies.items():
+        if original.op != "placeholder":
+            copy_.meta.update(source)
+    # the node (or each of its indexed outputs) becomes a copy of what replaces it: it keeps
+    # its name, which the program's signature holds when it is an output
+    for kept, value in ([(index, outputs[index.args[1]]) for index in node.users] if indexed else [(node, outputs)]):
+        kept.target, kept.args, kept.kwargs = aten.clone.default, (value,), {}
+    if indexed:
+        graph.erase_node(node)
+    return True
 
 
 def _in_place(target: Any) -> bool:
@@ -212,14 +284,23 @@ def _translatable(target: Any, translated: Collection[Any]) -> bool:
     return not isinstance(target, torch._ops.HigherOrderOperator)  # getitem, arithmetic on sizes
 
 
+def _inert_regions(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The regions whose mode means nothing to an ONNX graph: grad mode, and an autocast that is
+    disabled (``wrap_with_autocast(device, dtype, enabled, cache_enabled, body, *operands)``; at
+    the program's top level no autocast encloses it)."""
+    disabled = [region for region in graph.find_nodes(op="call_function", target=_AUTOCAST_REGION)
+                if region.args[2] is False]
+    return [*graph.find_nodes(op="call_function", target=_GRAD_REGION), *disabled]
+
+
 def _inline(region: torch.fx.Node) -> bool:
-    """Replace the call of a grad-mode region by the region's nodes (grad mode means nothing
-    to an ONNX graph); ``False``, the graph untouched, when its outputs are used otherwise than
-    by index, are the program's outputs (the signature names them) or it holds a region of its
-    own."""
+    """Replace the call of an inert region (:func:`_inert_regions`) by the region's nodes;
+    ``False``, the graph untouched, when its outputs are used otherwise than by index, are the
+    program's outputs (the signature names them) or it holds a region of its own."""
     graph = region.graph
-    body_node: Any = region.args[1]
-    operands: Any = region.args[2:]
+    body_at = 1 if region.target is _GRAD_REGION else 4
+    body_node: Any = region.args[body_at]
+    operands: Any = region.args[body_at + 1:]
     body = getattr(graph.owning_module, body_node.target)
     indexed = isinstance(body.graph.output_node().args[0], (tuple, list))
     readers = [user for index in region.users for user in index.users] if indexed else list(region.users)

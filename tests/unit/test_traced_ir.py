@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pytest_exportobs.compat.torch_private import (
     import_export_machinery,
+    onnx_decompositions,
     onnx_registry,
     prepare_for_onnx,
     size_oblivious,
@@ -93,6 +94,75 @@ def test_a_program_of_translated_ops_is_rewritten_not_decomposed_and_serves_unse
     expected_logits, expected_loss = model(images, labels)
     np.testing.assert_allclose(logits, expected_logits.detach().numpy(), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(loss, expected_loss.detach().numpy(), atol=1e-5, rtol=1e-5)
+
+
+class PairScorer(torch.nn.Module):
+    """Ops the registry lacks, each decomposing to a few it has: ``broadcast_tensors`` (a
+    list of outputs, one of them returned), ``diff`` along the dynamic length, and
+    ``binary_cross_entropy_with_logits`` (the loss returned as computed)."""
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows, columns = torch.broadcast_tensors(queries, keys)
+        steps = torch.diff(rows * columns, dim=1)
+        return columns, steps, F.binary_cross_entropy_with_logits(rows + columns, targets)
+
+
+def test_ops_the_registry_lacks_are_decomposed_alone_and_the_graph_serves_unseen_sizes() -> None:
+    program = _traced_pairs(torch.randn(3, 1, 4), torch.randn(1, 5, 4), torch.rand(3, 5, 4))
+    lacking = {"aten.broadcast_tensors.default", "aten.diff.default", "aten.binary_cross_entropy_with_logits.default"}
+    assert lacking <= _targets(program)
+
+    taken = as_translatable(program, translated_ops(), onnx_decompositions())
+
+    assert taken is not None
+    assert not _targets(taken) & lacking
+    assert {"aten.expand.default", "aten.slice.Tensor", "aten.log1p.default"} <= _targets(taken)
+    assert [spec.arg.name for spec in taken.graph_signature.output_specs] == \
+        [spec.arg.name for spec in program.graph_signature.output_specs]
+    for batch, length in ((2, 7), (6, 3)):
+        inputs = torch.randn(batch, 1, 4), torch.randn(1, length, 4), torch.rand(batch, length, 4)
+        got = _onnx_outputs(program, *inputs)
+        expected = PairScorer()(*inputs)
+        assert [g.shape for g in got] == [(batch, length, 4), (batch, length - 1, 4), ()]
+        for value, reference in zip(got, expected):
+            np.testing.assert_allclose(value, reference.numpy(), atol=1e-6, rtol=1e-6)
+
+
+class Float32Island(torch.nn.Module):
+    """Attention scores computed with autocast disabled (EfficientViT's linear attention does
+    so): a region that casts nothing outside an autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = self.project(x)
+        with torch.autocast("cpu", enabled=False):
+            scores = torch.softmax(keys @ keys.transpose(-1, -2), dim=-1)
+        return scores @ x
+
+
+def test_a_disabled_autocast_region_is_inlined_and_the_graph_serves_unseen_batches() -> None:
+    torch.manual_seed(0)
+    model = Float32Island().eval()
+    program = _traced(model, torch.randn(2, 3, 4))
+    assert "wrap_with_autocast" in _targets(program)
+
+    taken = as_translatable(program, translated_ops())
+
+    assert taken is not None
+    assert "wrap_with_autocast" not in _targets(taken)
+    unseen = torch.randn(5, 3, 4)
+    (got,) = _onnx_outputs(program, unseen)
+    np.testing.assert_allclose(got, model(unseen).detach().numpy(), atol=1e-6, rtol=1e-6)
+
+
+def _traced_pairs(*example: torch.Tensor) -> torch.export.ExportedProgram:
+    import_export_machinery()
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("length", min=3)
+    return torch.export.export(PairScorer(), example, strict=False,
+                               dynamic_shapes=({0: batch}, {1: length}, {0: batch, 1: length}))
 
 
 class SliceWritten(torch.nn.Module):
