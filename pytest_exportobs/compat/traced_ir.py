@@ -14,7 +14,7 @@ copy is translated.  Another op the registry lacks (``broadcast_tensors``, ``dif
 alone on the fake values torch.export recorded for its inputs: what the decomposition of the
 whole program would make of it, without tracing the model again.  An op whose decomposition
 does not trace so, an in-place op another value could see, or another higher-order op
-(autocast, control flow) leaves the program to the decomposition.
+(an enabled autocast, control flow) leaves the program to the decomposition.
 """
 
 from __future__ import annotations
@@ -215,9 +215,9 @@ def _decompose_in_place(node: torch.fx.Node, decompositions: Mapping[Any, Callab
     with graph.inserting_before(node):
         outputs: Any = graph.graph_copy(body, copies)
     source: dict[str, Any] = {key: node.meta[key] for key in _SOURCE_METADATA if key in node.meta}
-    for original, copy_ in copies.items():
+    for original, new in copies.items():
         if original.op != "placeholder":
-            copy_.meta.update(source)
+            new.meta.update(source)
     # the node (or each of its indexed outputs) becomes a copy of what replaces it: it keeps
     # its name, which the program's signature holds when it is an output
     for kept, value in ([(index, outputs[index.args[1]]) for index in node.users] if indexed else [(node, outputs)]):

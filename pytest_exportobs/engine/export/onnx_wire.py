@@ -99,6 +99,8 @@ def write_with_weights(source: Path, weights: Mapping[str, bytes | memoryview], 
 def _write_replaced(
     view: memoryview, spans: Mapping[str, tuple[int, int]], weights: Mapping[str, bytes | memoryview], path: Path,
 ) -> bool:
+    """Write the file ``view`` holds to ``path``, the ``spans`` of ``weights`` replaced by them
+    (see :func:`write_with_weights`)."""
     replaced = []
     for name, values in weights.items():
         begin, end = spans.get(name, (0, -1))
