@@ -154,12 +154,12 @@ def prepare_for_onnx(program: torch.export.ExportedProgram, as_traced: bool = Tr
 
 def _as_traced_and_promoted(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram | None:
     """The program rewritten to be translated as traced, its type promotions explicit; ``None``
-    when it cannot be, or its promotions fail (the decomposition is then torch.onnx's path)."""
-    prepared = as_translatable(program, translated_ops(), onnx_decompositions())
-    if prepared is None:
-        return None
+    when it cannot be, or the rewriting or the promotions fail on it (an op decomposed alone
+    whose sizes the program cannot hold): the decomposition is then torch.onnx's path."""
     try:
-        promote_types(prepared.graph_module)
+        prepared = as_translatable(program, translated_ops(), onnx_decompositions())
+        if prepared is not None:
+            promote_types(prepared.graph_module)
     except Exception:
         return None
     return prepared

@@ -18,6 +18,7 @@ from pytest_exportobs.compat.torch_private import (
     onnx_registry,
     prepare_for_onnx,
     size_oblivious,
+    taken_as_traced,
     to_onnx_program,
     translated_ops,
 )
@@ -156,6 +157,24 @@ def test_a_disabled_autocast_region_is_inlined_and_the_graph_serves_unseen_batch
     unseen = torch.randn(5, 3, 4)
     (got,) = _onnx_outputs(program, unseen)
     np.testing.assert_allclose(got, model(unseen).detach().numpy(), atol=1e-6, rtol=1e-6)
+
+
+def test_a_program_whose_rewriting_fails_is_decomposed_as_torch_onnx_decomposes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pytest_exportobs.compat import torch_private
+
+    def failing(*args: object) -> None:
+        raise RuntimeError("a rewrite the program cannot hold")
+
+    monkeypatch.setattr(torch_private, "as_translatable", failing)
+    program = _traced_pairs(torch.randn(3, 1, 4), torch.randn(1, 5, 4), torch.rand(3, 5, 4))
+    prepared = prepare_for_onnx(program)
+    assert not taken_as_traced(prepared)
+    assert not _targets(prepared) & {"aten.broadcast_tensors.default", "aten.diff.default"}
+    inputs = torch.randn(4, 1, 4), torch.randn(1, 6, 4), torch.rand(4, 6, 4)
+    for value, reference in zip(_onnx_outputs(program, *inputs), PairScorer()(*inputs)):
+        np.testing.assert_allclose(value, reference.numpy(), atol=1e-6, rtol=1e-6)
 
 
 def _traced_pairs(*example: torch.Tensor) -> torch.export.ExportedProgram:
