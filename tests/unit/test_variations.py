@@ -15,12 +15,12 @@ from torch.utils import _pytree
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.core.vocabulary import AxisRole
 from pytest_exportobs.engine.base.eager import call_model
-from pytest_exportobs.engine.explore.variations import Leaves, VariationOutcome, explore, size_ranges
+from pytest_exportobs.engine.explore.variations import MAX_ELEMENTS, Leaves, VariationOutcome, explore, size_ranges
 from pytest_exportobs.engine.verify.compare import Tolerance
 from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 from pytest_exportobs.shapes.dims import Relation
 from pytest_exportobs.shapes.inference import DimPolicy
-from pytest_exportobs.shapes.synthesis import build_leaves, complete_sizes, ignore_padded_labels, recipes
+from pytest_exportobs.shapes.synthesis import build_leaves, complete_sizes, export_sizes, ignore_padded_labels, recipes
 
 from models import example_arguments, tiny_llama_config
 
@@ -247,7 +247,18 @@ def test_size_ranges_include_observed_small_sizes_and_cap_elements():
     ranges = size_ranges(large)
     assert ranges["input_dim0"][0] == 2 and ranges["input_dim1"][0] == 2
     assert ranges["input_dim0"][1] <= 8 and ranges["input_dim1"][1] <= 512
-    assert math.prod(high for _, high in ranges.values()) * 300 <= 1_000_000
+    assert math.prod(high for _, high in ranges.values()) * 300 <= MAX_ELEMENTS
+
+
+def test_a_batch_of_large_images_is_capped_one_past_the_traced_batch():
+    """The budget of elements allows 2 images of 3x256x256 (the batch the graph is traced at),
+    the range still reaches a batch the tests never used; smaller images fit more."""
+    identity = torch.nn.Identity()
+    large = observe(identity, (torch.randn(1, 3, 256, 256),), (torch.randn(2, 3, 256, 256),))
+    assert export_sizes(large) == {"input_dim0": 2}
+    assert size_ranges(large) == {"input_dim0": (1, 3)}
+    small = observe(identity, (torch.randn(1, 3, 64, 64),), (torch.randn(2, 3, 64, 64),))
+    assert size_ranges(small) == {"input_dim0": (1, 8)}
 
 
 def test_position_ids_of_decode_steps_stay_arange_like(tmp_path):

@@ -58,7 +58,7 @@ from ..verify.compare import Discrepancy, OutputLayout, Tolerance, run_and_compa
 if TYPE_CHECKING:
     import hypothesis
 
-MAX_ELEMENTS = 1_000_000  # elements of the largest generated input
+MAX_ELEMENTS = 1 << 19  # elements of the largest generated input (a batch of 3 images of 3x224x224)
 MAX_SIZE = 512  # largest size drawn for any variable
 SMALL_CEILING = 8  # variables observed small may still grow to this size
 DATABASE_PREFIX = b"pytest-exportobs.variations."
@@ -106,22 +106,26 @@ def size_ranges(
 ) -> dict[str, tuple[int, int]]:
     """``(low, high)`` of every free variable: from 2 (or the observed minimum when smaller) up
     to twice the observed maximum (at least 8, at most 512), highs lowered until the largest
-    input at the highs has at most ``max_elements`` elements; a sliding window's term reaches
-    past the window's limit when that is within 512.  With ``recorded_only`` the sizes of empty
-    stand-ins (a cache absent at prefill) do not count as observed."""
+    input at the highs has at most ``max_elements`` elements, but not below one size past the
+    one the graph was traced at (a size the tests never used stays within reach); a sliding
+    window's term reaches past the window's limit when that is within 512.  With
+    ``recorded_only`` the sizes of empty stand-ins (a cache absent at prefill) do not count as
+    observed."""
     bounds = shapes.bounds(recorded_only)
     ranges = {name: _range(*bounds[name]) for name in free_variables(shapes)}
     for window in shapes.windows:
         if window.term in ranges:
             low, high = ranges[window.term]
             ranges[window.term] = (low, max(high, min(window.limit + 2, MAX_SIZE)))
+    traced = export_sizes(shapes)
+    floors = {name: min(high, max(low, traced.get(name, low) + 1)) for name, (low, high) in ranges.items()}
     while _largest_input(shapes, {n: high for n, (_, high) in ranges.items()}) > max_elements:
-        shrinkable = [n for n, (low, high) in ranges.items() if high > low]
+        shrinkable = [n for n, (_, high) in ranges.items() if high > floors[n]]
         if not shrinkable:
             break
         name = max(shrinkable, key=lambda n: ranges[n][1])
         low, high = ranges[name]
-        ranges[name] = (low, max(low, min(high - 1, high * 3 // 4)))
+        ranges[name] = (low, max(floors[name], min(high - 1, high * 3 // 4)))
     return ranges
 
 
