@@ -142,10 +142,11 @@ def weights_digest(module: torch.nn.Module) -> int:
         described.append((tuple(tensor.shape), str(tensor.dtype), 0 if tensor.is_inference() else tensor._version))
         if not tensor.is_meta and tensor.numel():
             flat = tensor.detach().reshape(-1)
-            samples.setdefault(flat.dtype, []).append(flat[:: max(1, flat.numel() // DIGEST_SAMPLES)])
+            # each sample to the CPU before they are joined: a model may hold weights on several devices
+            samples.setdefault(flat.dtype, []).append(flat[:: max(1, flat.numel() // DIGEST_SAMPLES)].cpu())
     digest = hashlib.blake2b(repr(described).encode(), digest_size=8)
     for parts in samples.values():
-        digest.update(torch.cat(parts).cpu().view(torch.uint8).numpy().tobytes())
+        digest.update(torch.cat(parts).view(torch.uint8).numpy().tobytes())
     return int.from_bytes(digest.digest(), "big")
 
 
