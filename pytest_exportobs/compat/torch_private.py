@@ -15,7 +15,7 @@ import contextlib
 import functools
 import importlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -133,18 +133,22 @@ def onnx_decompositions() -> dict[Any, Any]:
     return _decomp.create_onnx_friendly_decomposition_table(set(translated_ops()))
 
 
-def prepare_for_onnx(program: torch.export.ExportedProgram, as_traced: bool = True) -> torch.export.ExportedProgram:
+def prepare_for_onnx(
+    program: torch.export.ExportedProgram, as_traced: bool = True, decomposed_alone: Mapping[Any, Any] | None = None,
+) -> torch.export.ExportedProgram:
     """torch.onnx's first step (``_core._prepare_exported_program_for_export``): decompositions,
     explicit type promotions, assertions removed.  With ``as_traced``, a program the registry
     translates as traced up to a few rewrites is not decomposed
     (:func:`~.traced_ir.as_translatable`: the decomposition is a second trace of the model that
-    would change nothing the translation reads); the decomposition table is built once per
-    registry, not for every export (0.08 s each); the type promotions are made from the values
-    torch.export recorded (:func:`~.traced_ir.promote_types`)."""
+    would change nothing the translation reads); ``decomposed_alone`` (op: decomposition) are ops
+    the registry translates but whose translation failed on this program, decomposed alone in it
+    as the ops the registry lacks are.  The decomposition table is built once per registry, not
+    for every export (0.08 s each); the type promotions are made from the values torch.export
+    recorded (:func:`~.traced_ir.promote_types`)."""
     from torch.onnx._internal.exporter import _fx_passes
 
     with size_oblivious():
-        prepared = _as_traced_and_promoted(program) if as_traced else None
+        prepared = _as_traced_and_promoted(program, decomposed_alone or {}) if as_traced else None
         if prepared is None:  # run_decompositions is given a copy of the table: torch takes entries out
             prepared = program.run_decompositions(dict(onnx_decompositions()))
             promote_types(prepared.graph_module)
@@ -152,12 +156,16 @@ def prepare_for_onnx(program: torch.export.ExportedProgram, as_traced: bool = Tr
     return prepared
 
 
-def _as_traced_and_promoted(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram | None:
-    """The program rewritten to be translated as traced, its type promotions explicit; ``None``
-    when it cannot be, or the rewriting or the promotions fail on it (an op decomposed alone
-    whose sizes the program cannot hold): the decomposition is then torch.onnx's path."""
+def _as_traced_and_promoted(
+    program: torch.export.ExportedProgram, decomposed_alone: Mapping[Any, Any],
+) -> torch.export.ExportedProgram | None:
+    """The program rewritten to be translated as traced (``decomposed_alone`` taken as ops the
+    registry lacks), its type promotions explicit; ``None`` when it cannot be, or the rewriting
+    or the promotions fail on it (an op decomposed alone whose sizes the program cannot hold):
+    the decomposition is then torch.onnx's path."""
     try:
-        prepared = as_translatable(program, translated_ops(), onnx_decompositions())
+        prepared = as_translatable(program, translated_ops() - decomposed_alone.keys(),
+                                   {**onnx_decompositions(), **decomposed_alone})
         if prepared is not None:
             promote_types(prepared.graph_module)
     except Exception:

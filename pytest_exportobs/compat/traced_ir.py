@@ -179,9 +179,9 @@ def _decomposable(node: torch.fx.Node, translated: Collection[Any]) -> bool:
 
 def _decompose_in_place(node: torch.fx.Node, decompositions: Mapping[Any, Callable[..., Any]]) -> bool:
     """Replace ``node`` by its op's decomposition, traced alone on the fake values torch.export
-    recorded for its inputs (what torch.onnx's decomposition of the whole program, a second
-    trace of the model, makes of this one node): sizes stay the program's symbols, read from the
-    inputs where the decomposition needs them.  The new nodes carry the node's source metadata.
+    recorded for its inputs, tensors and sizes (what torch.onnx's decomposition of the whole
+    program, a second trace of the model, makes of this one node): sizes stay the program's
+    symbols, read from the inputs where the decomposition needs them.  The new nodes carry the node's source metadata.
     ``False``, the graph untouched, when the op has no decomposition that traces to plain ops
     (one reading a constant tensor, one whose results are not the node's tensors)."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -191,7 +191,8 @@ def _decompose_in_place(node: torch.fx.Node, decompositions: Mapping[Any, Callab
     fake_mode = detect_fake_mode([value for value in values if isinstance(value, torch.Tensor)])
     result = _fake(node)
     indexed = isinstance(result, (tuple, list))
-    if fake_mode is None or not all(isinstance(v, torch.Tensor) for v in [*values, *(result if indexed else [result])]):
+    if fake_mode is None or not all(isinstance(v, (torch.Tensor, torch.SymInt)) for v in values) or not all(
+            isinstance(v, torch.Tensor) for v in (result if indexed else [result])):
         return False
     op: Any = node.target
     decomposition = decompositions.get(op, op)

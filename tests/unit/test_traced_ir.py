@@ -129,6 +129,36 @@ def test_ops_the_registry_lacks_are_decomposed_alone_and_the_graph_serves_unseen
             np.testing.assert_allclose(value, reference.numpy(), atol=1e-6, rtol=1e-6)
 
 
+class SpanLoss(torch.nn.Module):
+    """BERT's question-answering loss: ``ignore_index`` is the sequence length, a size of the
+    trace that torchlib's translations of ``cross_entropy_loss`` and ``nll_loss_forward`` (torch
+    2.13) cannot take."""
+
+    def forward(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ignored = logits.size(1)
+        return F.cross_entropy(logits, positions.clamp(0, ignored), ignore_index=ignored)
+
+
+def test_ops_whose_translation_fails_are_decomposed_alone_on_request_and_the_graph_serves_unseen_sizes() -> None:
+    import_export_machinery()
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", min=2)
+    program = torch.export.export(SpanLoss(), (torch.randn(3, 7), torch.tensor([1, 7, 3])),
+                                  dynamic_shapes=({0: batch, 1: seq}, {0: batch}))
+    table = torch.export.default_decompositions()
+    failing = (torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_loss_forward.default)
+
+    prepared = prepare_for_onnx(program, decomposed_alone={op: table[op] for op in failing})
+
+    assert taken_as_traced(prepared)  # the rest as traced: no second trace of the model
+    assert "aten.cross_entropy_loss.default" not in _targets(prepared)
+    assert "aten._log_softmax.default" in _targets(prepared)
+    proto = to_onnx_program(prepared).model_proto
+    session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for logits, positions in ((torch.randn(2, 9), torch.tensor([9, 4])), (torch.randn(5, 3), torch.tensor([0, 3, 2, 1, 3]))):
+        got, = session.run(None, {"logits": logits.numpy(), "positions": positions.numpy()})
+        np.testing.assert_allclose(got, SpanLoss()(logits, positions).numpy(), atol=1e-6, rtol=1e-6)
+
+
 class Float32Island(torch.nn.Module):
     """Attention scores computed with autocast disabled (EfficientViT's linear attention does
     so): a region that casts nothing outside an autocast."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +34,21 @@ MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translatio
 
 def decompose(
     program: torch.export.ExportedProgram, notes: list[str], as_traced: bool = True,
+    decomposed_alone: Mapping[Any, Any] | None = None,
 ) -> torch.export.ExportedProgram:
     """torch.onnx's preparation (with ``as_traced``, the program taken as traced when it can
-    be), then the nodes left without users removed: it drops the runtime
+    be, ``decomposed_alone`` ops decomposed alone in it), then the nodes left without users
+    removed: it drops the runtime
     asserts but not what only they read (transformers' ``torch_compilable_check`` of a tensor
     condition leaves ``_is_all_true``, which has no ONNX translation).  A loss over a
     data-dependent number of targets, which torch's decomposition cannot take, is decomposed
     with :data:`~.decompositions.UNGUARDED_CROSS_ENTROPY` first (and a note says so)."""
     try:
-        program = prepare_for_onnx(program, as_traced)
+        program = prepare_for_onnx(program, as_traced, decomposed_alone)
     except Exception as e:
         if not guards_on_data(e, "nll_loss"):
             raise
-        program = prepare_for_onnx(program.run_decompositions(UNGUARDED_CROSS_ENTROPY), as_traced)
+        program = prepare_for_onnx(program.run_decompositions(UNGUARDED_CROSS_ENTROPY), as_traced, decomposed_alone)
         notes.append("cross_entropy_loss decomposed into _log_softmax and nll_loss_forward: torch's own"
                      " decomposition guards on its data-dependent number of targets")
     if program.graph_module.graph.eliminate_dead_code():
@@ -57,32 +59,41 @@ def decompose(
 def translate(
     program: torch.export.ExportedProgram, notes: list[str], traced: torch.export.ExportedProgram | None = None,
 ) -> Any:
-    """The program translated (not yet optimized); when the translation of an op fails
-    (torchlib's ``cross_entropy_loss`` with a symbolic ``ignore_index``, as BERT's
-    question-answering head passes), that op is decomposed with torch's default decomposition
-    and the program translated again.  When a program taken as traced fails, ``traced`` (the
-    program before its preparation) is decomposed as torch.onnx decomposes it and translated
-    instead, as it was before programs were taken as traced (a note says so)."""
-    decomposed: list[str] = []
-    table = torch.export.default_decompositions()
-    fallback = traced if traced is not None and taken_as_traced(program) else None
+    """The program translated (not yet optimized).  When the translation of an op fails
+    (torchlib's ``cross_entropy_loss`` with a symbolic ``ignore_index``, as the
+    question-answering heads of GPT-2 and BERT pass), that op is decomposed with torch's default
+    decomposition and the program translated again: a program taken as traced is prepared again
+    from ``traced`` (the program before its preparation) with the op decomposed alone, any other
+    program is decomposed again with it.  When a program taken as traced fails otherwise, or
+    the op cannot be decomposed alone, ``traced`` is decomposed as torch.onnx decomposes it and
+    translated instead, as before programs were taken as traced (a note says so)."""
+    decomposed: dict[Any, Any] = {}  # op -> its decomposition, for each op whose translation failed
     for _ in range(MAX_DECOMPOSED):
         try:
             onnx_program = to_onnx_program(program)
         except Exception as e:
-            if fallback is not None:
+            op = _failing_op(e)
+            table = torch.export.default_decompositions() if op is not None else {}
+            if traced is not None and taken_as_traced(program):
+                if op in table and op not in decomposed:
+                    program = decompose(traced, notes, decomposed_alone={**decomposed, op: table[op]})
+                    if taken_as_traced(program):
+                        decomposed[op] = table[op]
+                        continue
+                else:
+                    program = decompose(traced, notes, as_traced=False)
                 notes.append("translated after torch.onnx's decomposition: the program as traced failed"
                              f" ({error_line(e)})")
-                program, fallback = decompose(fallback, notes, as_traced=False), None
+                traced, decomposed = None, {}
                 continue
-            op = _failing_op(e)
-            if op is None or op not in table:
+            if op not in table or op in decomposed:
                 raise
-            decomposed.append(str(op))
+            decomposed[op] = table[op]
             program = decompose(program.run_decompositions({op: table[op]}), notes)
             continue
         if decomposed:
-            notes.append(f"translated after decomposing {', '.join(decomposed)}: torch's ONNX translation failed on it")
+            notes.append(f"translated after decomposing {', '.join(map(str, decomposed))}: torch's ONNX translation "
+                         "failed on it")
         return onnx_program
     return to_onnx_program(program)
 
