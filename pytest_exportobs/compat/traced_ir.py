@@ -82,10 +82,16 @@ def _global_mean(node: torch.fx.Node) -> bool:
     return True
 
 
-def _batch_norm_inference(node: torch.fx.Node) -> bool:
-    """``batch_norm`` with running statistics, not training: the first output of
-    ``_native_batch_norm_legit_no_training``, as torch's decomposition gives it."""
+def _batch_norm(node: torch.fx.Node) -> bool:
+    """``batch_norm`` as torch's decomposition gives it: with running statistics, not training,
+    the first output of ``_native_batch_norm_legit_no_training``; without running statistics (a
+    weight standardization: NFNet's convolutions), the first output of
+    ``_native_batch_norm_legit.no_stats``.  Training with running statistics updates them in
+    place: not rewritten."""
     a = _arguments(node)
+    if a["running_mean"] is None and a["running_var"] is None:
+        args = (a["input"], a["weight"], a["bias"], a["training"], a["momentum"], a["eps"])
+        return _by_first_output(node, aten._native_batch_norm_legit.no_stats, args)
     if a["training"] or a["running_mean"] is None or a["running_var"] is None:
         return False
     args = (a["input"], a["weight"], a["bias"], a["running_mean"], a["running_var"], a["momentum"], a["eps"])
@@ -127,7 +133,7 @@ _REWRITES: dict[Any, Callable[[torch.fx.Node], bool]] = {
     aten.to.dtype: _to_copy, aten.to.dtype_layout: _to_copy, aten.to.device: _to_copy,
     aten.__and__.Tensor: _renamed(aten.bitwise_and.Tensor), aten.__or__.Tensor: _renamed(aten.bitwise_or.Tensor),
     aten.adaptive_avg_pool2d.default: _global_mean,
-    aten.batch_norm.default: _batch_norm_inference,
+    aten.batch_norm.default: _batch_norm,
     aten.nll_loss_nd.default: _nll_loss,
 }
 

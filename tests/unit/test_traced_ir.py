@@ -97,6 +97,36 @@ def test_a_program_of_translated_ops_is_rewritten_not_decomposed_and_serves_unse
     np.testing.assert_allclose(loss, expected_loss.detach().numpy(), atol=1e-5, rtol=1e-5)
 
 
+class StandardizedConv(torch.nn.Module):
+    """NFNet's weight standardization: a batch norm in training mode without running
+    statistics, over the convolution's own weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 4, 3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.weight.reshape(1, 8, -1)
+        weight = F.batch_norm(flat, None, None, training=True, momentum=0.0, eps=1e-5).reshape_as(self.weight)
+        return F.conv2d(x, weight)
+
+
+def test_a_batch_norm_without_running_statistics_is_taken_as_traced_and_serves_unseen_batches() -> None:
+    torch.manual_seed(0)
+    model = StandardizedConv().eval()
+    program = _traced(model, torch.randn(2, 4, 9, 9))
+
+    taken = as_translatable(program, translated_ops(), onnx_decompositions())
+
+    assert taken is not None
+    assert "aten.batch_norm.default" not in _targets(taken)
+    assert "aten._native_batch_norm_legit.no_stats" in _targets(taken)  # what torch's decomposition makes of it
+    images = torch.randn(5, 4, 9, 9)
+    got, = _onnx_outputs(program, images)
+    assert got.shape == (5, 8, 7, 7)
+    np.testing.assert_allclose(got, model(images).detach().numpy(), atol=1e-5, rtol=1e-5)
+
+
 class PairScorer(torch.nn.Module):
     """Ops the registry lacks, each decomposing to a few it has: ``broadcast_tensors`` (a
     list of outputs, one of them returned), ``diff`` along the dynamic length, and
