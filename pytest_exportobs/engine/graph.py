@@ -302,7 +302,8 @@ class GraphCheck:
         variation = context.quiet(lambda: explore(
             eager=context.eager(self.shapes), run=runner, shapes=self.shapes, tolerance=context.tolerance,
             examples=context.examples, seed=context.settings.hypothesis_seed,
-            database_dir=self.directory / "hypothesis", outputs=self.layout,
+            database_dir=self.directory / "hypothesis", storage_dir=context.settings.cache_dir / "hypothesis",
+            outputs=self.layout,
             pad_token_id=getattr(getattr(context.module, "config", None), "pad_token_id", None),
             asserted=self.asserted,
         ))

@@ -118,6 +118,26 @@ def test_mlp_variations_pass_within_bounds(mlp, tmp_path):
         assert all(ranges[name][0] <= size <= ranges[name][1] for name, size in sizes.items())
 
 
+def test_hypothesis_keeps_its_own_storage_in_the_session_directory_not_the_graphs(mlp, tmp_path):
+    """The constants hypothesis reads from the local modules' sources are cached once for a
+    session (the export cache), not again in every graph's directory."""
+    from hypothesis import configuration
+
+    model, shapes, runner = mlp
+    homes: set[Path] = set()
+
+    def eager(leaves: Leaves) -> list[torch.Tensor]:
+        homes.add(Path(configuration.storage_directory(intent_to_write=False).home_directory))
+        return eager_of(model)(leaves)
+
+    outcome = explore(eager=eager, run=runner, shapes=shapes, tolerance=Tolerance(), examples=4, seed=0,
+                      database_dir=tmp_path / "graph", storage_dir=tmp_path / "session")
+    assert outcome.valid == outcome.tried > 0
+    assert tmp_path / "session" in homes  # during hypothesis' search (the largest example runs after it)
+    assert not any(home.is_relative_to(tmp_path / "graph") for home in homes)
+    assert Path(configuration.storage_directory(intent_to_write=False).home_directory) != tmp_path / "session"
+
+
 def test_a_failure_shrinks_to_the_sizes_nearest_the_traced_ones(mlp, tmp_path):
     """Traced at batch 2, seq 5: the nearest failing batch is 3, and seq plays no part in it."""
     model, shapes, runner = mlp

@@ -141,13 +141,17 @@ def explore(
     outputs: OutputLayout | None = None,
     pad_token_id: int | None = None,
     asserted: Sequence[Any] = (),
+    storage_dir: Path | None = None,
 ) -> VariationOutcome:
     """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them, then,
     unless one failed, the largest (every free size at the high of its range, whatever
     hypothesis drew); never raises for a model problem (an exception of ``run`` fails its example).
     ``recorded_only``: see :func:`size_ranges`; ``pad_token_id``: see :func:`~..shapes.synthesis.recipes`;
     ``asserted``: conditions on the sizes the export asserts at run time (an example breaking one
-    is invalid: outside the domain of the export, whatever eager makes of it)."""
+    is invalid: outside the domain of the export, whatever eager makes of it); ``storage_dir``:
+    hypothesis' own storage (the constants it reads from the sources of the local modules, cached
+    by their hash), ``database_dir`` unless given: one for a session spares each check reading
+    every local module again."""
     from hypothesis import find, strategies
     from hypothesis.errors import NoSuchExample, Unsatisfiable
 
@@ -160,7 +164,7 @@ def explore(
         {name: _near(traced.get(name, low), low, high) for name, (low, high) in ranges.items()}
     )
     try:
-        with _hypothesis_home(database_dir):
+        with _hypothesis_home(storage_dir or database_dir):
             minimal = find(
                 strategy, trials.fails, settings=_settings(examples, seed, database_dir / "examples"),
                 random=None if seed is None else Random(seed), database_key=_database_key(shapes),
