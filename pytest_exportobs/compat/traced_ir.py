@@ -90,8 +90,8 @@ def _batch_norm(node: torch.fx.Node) -> bool:
     place: not rewritten."""
     a = _arguments(node)
     if a["running_mean"] is None and a["running_var"] is None:
-        args = (a["input"], a["weight"], a["bias"], a["training"], a["momentum"], a["eps"])
-        return _by_first_output(node, aten._native_batch_norm_legit.no_stats, args)
+        no_stats = (a["input"], a["weight"], a["bias"], a["training"], a["momentum"], a["eps"])
+        return _by_first_output(node, aten._native_batch_norm_legit.no_stats, no_stats)
     if a["training"] or a["running_mean"] is None or a["running_var"] is None:
         return False
     args = (a["input"], a["weight"], a["bias"], a["running_mean"], a["running_var"], a["momentum"], a["eps"])

@@ -302,7 +302,7 @@ class GraphCheck:
         variation = context.quiet(lambda: explore(
             eager=context.eager(self.shapes), run=runner, shapes=self.shapes, tolerance=context.tolerance,
             examples=context.examples, seed=context.settings.hypothesis_seed,
-            database_dir=self.directory / "hypothesis", storage_dir=context.settings.cache_dir / "hypothesis",
+            database_dir=self.directory / "hypothesis", storage_dir=context.settings.hypothesis_dir,
             outputs=self.layout,
             pad_token_id=getattr(getattr(context.module, "config", None), "pad_token_id", None),
             asserted=self.asserted,

@@ -26,6 +26,7 @@ from ..observe.store import ModelGroup
 from .base.result import ModelResult
 from .base.settings import CheckSettings
 from .check import check_model, settled
+from .explore.variations import prepare_variations
 from .export.cache import ExportCache
 from .export.pipeline import prepare
 from .limits import ModelTimeout, time_limit
@@ -123,6 +124,7 @@ def _forked_phase(
         return_free_memory()
         # once for every child (in turn, the first export imports, and a rerun the cache serves needs no registry)
         prepare(settings.target, ExportCache(settings.cache_dir) if settings.use_cache else None)
+        prepare_variations(settings.hypothesis_dir)
     except KeyboardInterrupt:
         if spilled is not None:
             spilled.remove()

@@ -16,6 +16,7 @@ import pytest
 import sympy
 import torch
 
+from pytest_exportobs.compat.hypothesis_private import collect_local_constants
 from pytest_exportobs.compat.onnxruntime_text import failing_node, kernel_lacked, lacks_kernel
 from pytest_exportobs.compat.torch_private import (
     DEFERRED_ASSERTS,
@@ -116,6 +117,17 @@ def test_the_onnx_preparation_is_torch_onnxs_own_with_its_decomposition_table_bu
     assert ours[0] == ours[1] == theirs
     assert "prims.convert_element_type.default" in theirs  # the integer tensor promoted explicitly
     assert "aten.diff.default" not in theirs
+
+
+def test_hypothesis_reads_the_local_modules_constants_once_for_the_modules_loaded() -> None:
+    import sys
+
+    from hypothesis.internal.conjecture import providers
+
+    collect_local_constants()
+
+    assert providers._sys_modules_len == len(sys.modules)  # the next draw of a constant reads nothing again
+    assert {id(module) for module in list(sys.modules.values())} <= providers._seen_modules
 
 
 def test_a_pytree_node_deregistered_is_a_leaf_again_and_registers_again() -> None:

@@ -38,3 +38,9 @@ class CheckSettings:
     def cache_dir(self) -> Path:
         """The export cache's directory (``cache`` is no model's: see :mod:`..core.paths`)."""
         return self.export_dir / "cache"
+
+    @property
+    def hypothesis_dir(self) -> Path:
+        """hypothesis' own storage (the constants it reads from the local modules' sources),
+        one for the session: not each graph's directory."""
+        return self.cache_dir / "hypothesis"

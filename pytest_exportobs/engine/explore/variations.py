@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...compat.hypothesis_private import collect_local_constants
 from ...core.trees import detached_clone
 from ...shapes.model import ShapeModel
 from ...shapes.synthesis import (
@@ -175,6 +176,14 @@ def explore(
     if minimal is None and (verdict := trials.verdict(largest)) is not None and not verdict.ok:
         minimal = largest  # hypothesis' draws missed it: a graph that serves only small sizes
     return trials.outcome(minimal)
+
+
+def prepare_variations(storage_dir: Path) -> None:
+    """Read what hypothesis draws some examples from (the local modules' constants) once, with
+    ``storage_dir`` as its storage: before forked checks, which inherit it instead of each
+    reading every local module again."""
+    with _hypothesis_home(storage_dir):
+        collect_local_constants()
 
 
 @contextlib.contextmanager
