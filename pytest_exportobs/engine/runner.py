@@ -122,9 +122,12 @@ def _forked_phase(
     try:
         spilled = SpilledWeights.spill(groups, settings.export_dir)  # first: the imports grow a smaller heap
         return_free_memory()
-        # once for every child (in turn, the first export imports, and a rerun the cache serves needs no registry)
-        prepare(settings.target, ExportCache(settings.cache_dir) if settings.use_cache else None)
-        prepare_variations(settings.hypothesis_dir)
+        # once for every child (in turn, the first export imports; a rerun the cache serves needs
+        # no registry, and its variations come from the cache)
+        cache = ExportCache(settings.cache_dir) if settings.use_cache else None
+        prepare(settings.target, cache)
+        if cache is None or not cache.holds_traces():
+            prepare_variations(settings.hypothesis_dir)
     except KeyboardInterrupt:
         if spilled is not None:
             spilled.remove()
