@@ -188,8 +188,9 @@ def _decompose_in_place(node: torch.fx.Node, decompositions: Mapping[Any, Callab
     recorded for its inputs, tensors and sizes (what torch.onnx's decomposition of the whole
     program, a second trace of the model, makes of this one node): sizes stay the program's
     symbols, read from the inputs where the decomposition needs them.  The new nodes carry the
-    node's source metadata.  ``False``, the graph untouched, when the op has no decomposition that traces to plain ops
-    (one reading a constant tensor, one whose results are not the node's tensors)."""
+    node's source metadata.  ``False``, the graph untouched, when the op has no decomposition
+    that traces to plain ops (one reading a constant tensor, one whose results are not the
+    node's tensors)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     inputs = node.all_input_nodes
