@@ -11,7 +11,7 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pytest_exportobs.engine.export.onnx_wire import graph_inputs, raw_data_spans, write_with_weights
+from pytest_exportobs.core.onnx_wire import element_types, graph_inputs, raw_data_spans, write_with_weights
 
 
 def _model(path: Path) -> onnx.ModelProto:
@@ -49,6 +49,19 @@ def test_raw_data_spans_are_each_initializers_own_bytes(tmp_path: Path) -> None:
 def test_graph_inputs_are_the_value_infos_onnx_parses(tmp_path: Path) -> None:
     model = _model(tmp_path / "m.onnx")
     assert [onnx.ValueInfoProto.FromString(b) for b in graph_inputs(tmp_path / "m.onnx")] == list(model.graph.input)
+
+
+def test_element_types_are_those_of_the_inputs_outputs_values_and_initializers_onnx_parses(tmp_path: Path) -> None:
+    model = _model(tmp_path / "m.onnx")
+    assert element_types(tmp_path / "m.onnx") == {TensorProto.FLOAT}
+    model.graph.value_info.append(helper.make_tensor_value_info("xw", TensorProto.BFLOAT16, ["batch", 3]))
+    model.graph.initializer.append(helper.make_tensor("half", TensorProto.FLOAT16, [1], [1.0]))
+    model.graph.output.append(helper.make_tensor_value_info("index", TensorProto.INT64, []))
+    onnx.save(model, str(tmp_path / "typed.onnx"))
+    graph = onnx.load(str(tmp_path / "typed.onnx")).graph
+    parsed = {v.type.tensor_type.elem_type for v in [*graph.input, *graph.output, *graph.value_info]}
+    assert element_types(tmp_path / "typed.onnx") == parsed | {t.data_type for t in graph.initializer} == {
+        TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16, TensorProto.INT64}
 
 
 def test_weights_written_over_a_copy_are_the_ones_onnxruntime_runs(tmp_path: Path) -> None:

@@ -21,11 +21,11 @@ import sympy
 import torch
 
 from ...compat.torch_private import sympy_functions
+from ...core.onnx_wire import graph_inputs
 from ...core.vocabulary import RefinementKind
 from ...shapes.dims import Axis, Relation, Variable
 from ...shapes.model import ShapeModel
 from ...shapes.synthesis import complete_sizes, free_variables
-from .onnx_wire import graph_inputs
 
 Shape = tuple[Any, ...]  # per axis: an int (static) or a sympy expression / ONNX dim name
 SAMPLES = 64  # draws of the free sizes a runtime assert must break once to be kept as a condition

@@ -21,13 +21,13 @@ from ...compat.torch_private import (
     to_onnx_program,
 )
 from ...compat.torch_text import translated_op
+from ...core.onnx_wire import write_with_weights
 from ...core.text import error_line
 from ...core.vocabulary import Stage
 from ..base.environment import writing
 from ..base.result import ExportFiles
 from .cache import tensor_bytes
 from .decompositions import UNGUARDED_CROSS_ENTROPY
-from .onnx_wire import write_with_weights
 
 MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
 

@@ -22,12 +22,13 @@ import torch
 from torch.utils import _pytree
 
 from ...compat.onnxruntime_text import kernel_lacked, lacks_kernel
+from ...core.onnx_wire import element_types
 from ...core.text import error_line
 from ...core.vocabulary import Runtime
 from ...observe.alignment import AlignedCalls
 
 # onnx.TensorProto FLOAT16, BFLOAT16: onnxruntime's CPU provider crashes natively on some such graphs
-HALF_PRECISION = (10, 16)
+HALF_PRECISION = frozenset({10, 16})
 MAX_REFERENCE_NODES = 3_000  # nodes of a graph onnx's reference evaluator runs (numpy, node by node)
 MAX_REFERENCE_WEIGHTS = 20_000_000  # values of its initializers
 
@@ -97,12 +98,9 @@ def probe_load(path: Path) -> None:
 
 
 def _half_precision(path: Path) -> bool:
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    typed = [*graph.input, *graph.output, *graph.value_info]
-    return any(v.type.tensor_type.elem_type in HALF_PRECISION for v in typed) or any(
-        t.data_type in HALF_PRECISION for t in graph.initializer)
+    """Whether the graph holds a half-precision value, read without parsing its weights (timm's
+    42 graphs: 733 MB parsed in 0.7 s before)."""
+    return bool(element_types(path) & HALF_PRECISION)
 
 
 class OnnxRunner:

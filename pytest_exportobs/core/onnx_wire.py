@@ -2,9 +2,9 @@
 
 An ONNX file is one ``ModelProto`` in protobuf's wire format: fields one after the other, each a
 tag (field number and wire type) then its value; a message field is a length and the message's
-own fields.  The graph's inputs and the raw bytes of its initializers can be found by walking
-tags, without decoding the weights: a cached graph gets other weights of the same shapes by
-overwriting their bytes, the rest of the file written as it was (see
+own fields.  The graph's inputs, its element types and the raw bytes of its initializers can be
+found by walking tags, without decoding the weights: a cached graph gets other weights of the
+same shapes by overwriting their bytes, the rest of the file written as it was (see
 :func:`write_with_weights`).
 """
 
@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 
 _MODEL_GRAPH = 7  # ModelProto.graph
-_GRAPH_INITIALIZER, _GRAPH_INPUT = 5, 11  # GraphProto.initializer, GraphProto.input
-_TENSOR_NAME, _TENSOR_RAW_DATA = 8, 9  # TensorProto.name, TensorProto.raw_data
+_GRAPH_INITIALIZER, _GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO = 5, 11, 12, 13  # GraphProto's
+_TENSOR_DATA_TYPE, _TENSOR_NAME, _TENSOR_RAW_DATA = 2, 8, 9  # TensorProto's
+_VALUE_TYPE, _TYPE_TENSOR, _TENSOR_ELEM_TYPE = 2, 1, 1  # ValueInfoProto.type, TypeProto.tensor_type, its elem_type
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5  # wire types
 
 
@@ -33,13 +34,13 @@ def _varint(data: memoryview, position: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(data: memoryview, begin: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """``(field number, begin, end)`` of each length-delimited field between ``begin`` and
-    ``end`` (a message's fields); other fields are skipped."""
+def _walk(data: memoryview, begin: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(field number, wire type, begin, end)`` of each field between ``begin`` and ``end`` (a
+    message's fields): a length-delimited field's value, any other's encoded bytes."""
     position = begin
     while position < end:
         tag, position = _varint(data, position)
-        kind = tag & 7
+        kind, value = tag & 7, position
         if kind == _VARINT:
             _, position = _varint(data, position)
         elif kind == _FIXED64:
@@ -47,11 +48,21 @@ def _fields(data: memoryview, begin: int, end: int) -> Iterator[tuple[int, int, 
         elif kind == _FIXED32:
             position += 4
         elif kind == _LENGTH:
-            length, position = _varint(data, position)
-            yield tag >> 3, position, position + length
-            position += length
+            length, value = _varint(data, position)
+            position = value + length
         else:
             raise ValueError(f"wire type {kind} at byte {position}: not an ONNX file")
+        yield tag >> 3, kind, value, position
+
+
+def _fields(data: memoryview, begin: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """``(field number, begin, end)`` of each length-delimited field of a message."""
+    return ((number, start, stop) for number, kind, start, stop in _walk(data, begin, end) if kind == _LENGTH)
+
+
+def _varints(data: memoryview, begin: int, end: int) -> dict[int, int]:
+    """The values of a message's integer fields, by field number."""
+    return {number: _varint(data, start)[0] for number, kind, start, _ in _walk(data, begin, end) if kind == _VARINT}
 
 
 def _graph(data: memoryview) -> tuple[int, int]:
@@ -83,6 +94,27 @@ def graph_inputs(path: Path) -> list[bytes]:
     """The serialized ``ValueInfoProto`` of each input of the file's main graph, in order."""
     data = memoryview(path.read_bytes())
     return [bytes(data[b:e]) for number, b, e in _fields(data, *_graph(data)) if number == _GRAPH_INPUT]
+
+
+def element_types(path: Path) -> set[int]:
+    """The element types (``onnx.TensorProto`` data types) of the main graph's inputs, outputs,
+    typed values and initializers, read without decoding the weights."""
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with memoryview(mapped) as data:
+            types = set()
+            for number, begin, end in _fields(data, *_graph(data)):
+                if number == _GRAPH_INITIALIZER:
+                    types.add(_varints(data, begin, end).get(_TENSOR_DATA_TYPE, 0))
+                elif number in (_GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO):
+                    for type_begin, type_end in _inner(data, begin, end, _VALUE_TYPE):
+                        for tensor_begin, tensor_end in _inner(data, type_begin, type_end, _TYPE_TENSOR):
+                            types.add(_varints(data, tensor_begin, tensor_end).get(_TENSOR_ELEM_TYPE, 0))
+            return types
+
+
+def _inner(data: memoryview, begin: int, end: int, number: int) -> Iterator[tuple[int, int]]:
+    """``(begin, end)`` of each field ``number`` of the message between ``begin`` and ``end``."""
+    return ((start, stop) for field, start, stop in _fields(data, begin, end) if field == number)
 
 
 def write_with_weights(source: Path, weights: Mapping[str, bytes | memoryview], path: Path) -> bool:
