@@ -204,8 +204,8 @@ def _decompose_in_place(node: torch.fx.Node, decompositions: Mapping[Any, Callab
     op: Any = node.target
     decomposition = decompositions.get(op, op)
 
-    def call(*tensors: torch.Tensor) -> Any:
-        by_node = dict(zip(inputs, tensors))
+    def call(*arguments: torch.Tensor | torch.SymInt) -> Any:
+        by_node = dict(zip(inputs, arguments))
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), by_node.__getitem__)
         return decomposition(*args, **kwargs)
 

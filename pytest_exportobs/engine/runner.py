@@ -124,9 +124,9 @@ def _forked_phase(
         return_free_memory()
         # once for every child (in turn, the first export imports; a rerun the cache serves needs
         # no registry, and its variations come from the cache)
-        cache = ExportCache(settings.cache_dir) if settings.use_cache else None
-        prepare(settings.target, cache)
-        if cache is None or not cache.holds_traces():
+        translating = not settings.use_cache or not ExportCache(settings.cache_dir).holds_traces()
+        prepare(settings.target, translating)
+        if translating:
             prepare_variations(settings.hypothesis_dir)
     except KeyboardInterrupt:
         if spilled is not None:

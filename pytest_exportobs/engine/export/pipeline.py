@@ -362,15 +362,15 @@ def _load_traced(
     return True
 
 
-def prepare(target: Target, cache: ExportCache | None = None) -> None:
-    """Import what the first export imports and, unless the export ``cache`` holds traces of an
-    earlier run (then most graphs need no translation), build the torchlib registry and the
+def prepare(target: Target, translating: bool = True) -> None:
+    """Import what the first export imports and, when graphs are to be ``translating`` (not a
+    rerun whose export cache holds the traces), build the torchlib registry and the
     decomposition table a program taken as traced is read with: once, before forked checks,
     which inherit them instead of each paying about 2 s for the registry and 0.07 s for the
     table; they are part of the heap frozen while the checks run."""
     import_export_machinery()
     if target == Target.ONNX:
         importlib.import_module("onnxruntime")
-        if cache is None or not cache.holds_traces():
+        if translating:
             onnx_registry()
             onnx_decompositions()
