@@ -24,6 +24,7 @@ from pytest_exportobs.compat.torch_private import (
     FakeTensor,
     deregister_pytree_node,
     import_export_machinery,
+    lean_tracing,
     onnx_registry,
     prepare_for_onnx,
     rename_onnx_axes,
@@ -169,6 +170,51 @@ def test_an_lstm_exported_in_the_rnn_context_keeps_its_sequence_dynamic() -> Non
                                       prefer_deferred_runtime_asserts_over_guards=DEFERRED_ASSERTS)
     got = program.module()(torch.randn(2, 7, 4))[0]
     assert got.shape == (2, 7, 3)
+
+
+class Attending(torch.nn.Module):
+    """Attention of a sequence over itself and a longer memory: sizes multiplied, concatenated."""
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        keys = torch.cat([memory, x], dim=1)
+        scores = torch.softmax(x @ keys.transpose(1, 2) / x.shape[-1] ** 0.5, dim=-1)
+        return (scores @ keys).reshape(x.shape[0], -1)
+
+
+def _fake_dispatches() -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    info = FakeTensorMode.cache_info()
+    return info.hits + info.misses
+
+
+def test_lean_tracing_traces_the_same_program_without_the_fake_tensor_cache_or_pytests_handlers() -> None:
+    trace_log = logging.getLogger("torch.__trace")
+    pytests = {h for h in trace_log.handlers if type(h).__module__ == "_pytest.logging"}
+    assert pytests, "pytest's logging plugin attaches its handlers to torch's structured trace"
+    own = logging.NullHandler()
+    trace_log.addHandler(own)
+    batch, seq, past = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
+    example = (torch.randn(2, 3, 8), torch.randn(2, 5, 8))
+    dims = ({0: batch, 1: seq}, {0: batch, 1: past})
+
+    def traced() -> torch.export.ExportedProgram:
+        return torch.export.export(Attending(), example, dynamic_shapes=dims)
+
+    try:
+        cached, before = traced(), _fake_dispatches()
+        with lean_tracing():
+            assert not pytests & set(trace_log.handlers) and own in trace_log.handlers
+            lean = traced()
+            assert _fake_dispatches() == before  # no fake dispatch went through the cache
+        assert set(trace_log.handlers) >= pytests | {own}
+        assert torch._dynamo.config.fake_tensor_cache_enabled
+    finally:
+        trace_log.removeHandler(own)
+    assert lean.graph_module.print_readable(print_output=False) == cached.graph_module.print_readable(
+        print_output=False)
+    assert str(lean.range_constraints) == str(cached.range_constraints)
+    assert lean.module()(torch.randn(3, 4, 8), torch.randn(3, 6, 8)).shape == (3, 4 * 8)
 
 
 def test_rejected_dims_raise_the_user_error_whose_suggested_fixes_are_parsed() -> None:
