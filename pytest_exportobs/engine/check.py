@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..compat.torch_private import lean_tracing
 from ..core.capture import captured_output
 from ..core.paths import model_directory
 from ..core.text import error_line
@@ -156,7 +155,7 @@ class _ModelCheck:
             raise ModelProblem(Stage.INFER, Kind.ERROR, f"ValueError: {e}") from e
         graphs: list[GraphCheck] = []
         unverified: list[str] = []
-        with flattening_context(), lean_tracing(), _eval_no_grad(self.group.module):
+        with flattening_context(), _eval_no_grad(self.group.module):
             observations = list(self.group.recorder.observations)
             found = self._references(observations)
             self.result.model_notes.extend(found.left_out.values())

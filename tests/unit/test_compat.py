@@ -23,6 +23,7 @@ from pytest_exportobs.compat.torch_private import (
     ExportUserError,
     FakeTensor,
     deregister_pytree_node,
+    dispatches_cached,
     import_export_machinery,
     lean_tracing,
     onnx_registry,
@@ -188,7 +189,7 @@ def _fake_dispatches() -> int:
     return info.hits + info.misses
 
 
-def test_lean_tracing_traces_the_same_program_without_the_fake_tensor_cache_or_pytests_handlers() -> None:
+def test_lean_tracing_traces_the_same_program_without_the_dispatch_cache_or_pytests_handlers() -> None:
     trace_log = logging.getLogger("torch.__trace")
     pytests = {h for h in trace_log.handlers if type(h).__module__ == "_pytest.logging"}
     assert pytests, "pytest's logging plugin attaches its handlers to torch's structured trace"
@@ -215,6 +216,9 @@ def test_lean_tracing_traces_the_same_program_without_the_fake_tensor_cache_or_p
         print_output=False)
     assert str(lean.range_constraints) == str(cached.range_constraints)
     assert lean.module()(torch.randn(3, 4, 8), torch.randn(3, 6, 8)).shape == (3, 4 * 8)
+    before = _fake_dispatches()
+    dispatches_cached(lean).run_decompositions()  # traced again on the trace's fake values
+    assert _fake_dispatches() > before
 
 
 def test_rejected_dims_raise_the_user_error_whose_suggested_fixes_are_parsed() -> None:

@@ -22,6 +22,8 @@ import torch
 from ...compat.torch_private import (
     DEFERRED_ASSERTS,
     ExportUserError,
+    dispatches_cached,
+    lean_tracing,
     rnn_while_loops,
     size_oblivious,
     unchecked_module,
@@ -93,16 +95,18 @@ class Traced:
 class Capture:
     """How torch.export captures a model: under the export ``patches``, non-strict (what
     torch.onnx.export tries first) or ``strict`` (its fallback, TorchDynamo capturing the model's
-    Python: ``int(lengths.max().item())`` becomes an unbacked size there)."""
+    Python: ``int(lengths.max().item())`` becomes an unbacked size there); always without what
+    buys a trace nothing (``compat.torch_private.lean_tracing``)."""
 
     patches: TracingPatches = NO_PATCHES
     strict: bool = False
 
     def export(self, module: torch.nn.Module, example: Example, dynamic_shapes: Any,
                **options: Any) -> torch.export.ExportedProgram:
-        with self.patches.tracing():
-            return torch.export.export(module, example.args, example.kwargs, dynamic_shapes=dynamic_shapes,
-                                       strict=self.strict, **options)
+        with self.patches.tracing(), lean_tracing():
+            program = torch.export.export(module, example.args, example.kwargs, dynamic_shapes=dynamic_shapes,
+                                          strict=self.strict, **options)
+        return dispatches_cached(program)
 
 
 NON_STRICT = Capture()
