@@ -1,8 +1,9 @@
-"""Stable JSON text and atomic writes."""
+"""Stable JSON text, atomic writes and files known by their content."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -27,21 +28,24 @@ def write_atomic(path: str | os.PathLike[str], text: str) -> Path:
     return Path(path)
 
 
-def copy_atomic(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> os.stat_result:
-    """Copy ``source`` to ``path`` as :func:`write_atomic` writes; the status of the copy, taken
-    before it is moved there (the move keeps its inode, size and modification time: a file
-    another process moves there later has another inode)."""
+def copy_atomic(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> str:
+    """Copy ``source`` to ``path`` as :func:`write_atomic` writes; the :func:`file_digest` of the
+    copy, read before it is moved there (a file another process moves there later is known by
+    its own)."""
     with _replacing(Path(path)) as tmp:
         shutil.copyfile(source, tmp)
-        copied = os.stat(tmp)
-    return copied
+        digest = file_digest(tmp)
+    return digest
 
 
-def file_identity(status: os.stat_result) -> list[int]:
-    """Inode, size and modification time of a file in nanoseconds: what changes when the file is
-    replaced or written again, checked without reading it (as Python checks a ``.pyc`` against
-    its source)."""
-    return [status.st_ino, status.st_size, status.st_mtime_ns]
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a file's content: what a copy keeps (a cache restored in CI: a new inode and,
+    after ``cp`` or some archivers, a new modification time) and a rewrite changes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @contextlib.contextmanager

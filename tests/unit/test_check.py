@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -280,6 +281,17 @@ def test_a_graph_file_replaced_since_its_entry_was_stored_misses(tmp_path: Path)
     (actual,) = session.run(None, {"x": x.numpy()})
     torch.testing.assert_close(torch.from_numpy(actual), group.module(x).detach(), atol=1e-5, rtol=1e-5)
     assert check_model(group, settings(tmp_path)).cache_hit is True
+
+
+def test_an_export_directory_copied_elsewhere_serves_its_graphs(tmp_path: Path) -> None:
+    """CI restores the export directory from its cache: the files get new inodes and, copied as
+    ``cp -r`` copies, new modification times; their bytes are the same, and they are served."""
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    first = check_model(group, settings(tmp_path / "first"))
+    shutil.copytree(tmp_path / "first", tmp_path / "restored", copy_function=shutil.copyfile)
+    again = check_model(group, settings(tmp_path / "restored"))
+    assert (first.cache_hit, again.cache_hit, again.verdict) == (False, True, "passed")
+    assert not {"torch.export", "decompose", "onnx-translate"} & set(again.timings)
 
 
 def test_target_torch_stops_after_torch_export(tmp_path: Path) -> None:

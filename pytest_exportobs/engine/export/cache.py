@@ -33,16 +33,17 @@ import torch
 from torch.utils import _pytree
 
 from ...core.configuration import configuration_text
-from ...core.files import copy_atomic, file_identity, write_atomic
+from ...core.files import copy_atomic, file_digest, write_atomic
 from ...core.versions import package_versions
 from ...shapes.model import ShapeModel
 from .domain import Refinement
 
 # What an entry holds; a change makes earlier entries miss (3: trace and graph entries, weights
 # applied by name; 4: the dims a trace made static among its refinements; 5: one file, optimized
-# with the weights held as inputs; 6: a graph file known by its status, its weights compared
-# with the module's as they are written, no digest of them)
-ENTRY_FORMAT = 6
+# with the weights held as inputs; 6: its weights compared with the module's as they are
+# written, no digest of them; 7: the graph file known by the digest of its content, which a
+# cache copied or restored in CI keeps, not by its inode and modification time)
+ENTRY_FORMAT = 7
 
 
 @dataclass
@@ -201,12 +202,12 @@ class ExportCache:
         self._write(f"trace-{key}.json", asdict(entry) | {"refinements": [r.to_json() for r in entry.refinements]})
 
     def load_graph(self, key: str) -> GraphHit | None:
-        """The graph entry when its metadata describes the file there (the file the entry was
-        stored with, neither replaced nor written since); else ``None``."""
+        """The graph entry when its metadata describes the file there (the content the entry
+        was stored with, wherever the directory was copied since); else ``None``."""
         path = self._graph_file(key)
         try:
             meta = json.loads((self.directory / f"graph-{key}.json").read_text())
-            if meta.pop("file") != file_identity(path.stat()):
+            if meta.pop("file") != file_digest(path):
                 return None
             return GraphHit(GraphEntry(**meta), path)
         except (OSError, ValueError, KeyError, TypeError):
@@ -216,8 +217,7 @@ class ExportCache:
         """Add the file under ``key``, the metadata last (atomically: a concurrent reader sees
         a whole entry or none; a process storing the same key meanwhile leaves a file the
         metadata does not describe, a miss)."""
-        copied = copy_atomic(path, self._graph_file(key))
-        meta = asdict(entry) | {"file": file_identity(copied)}
+        meta = asdict(entry) | {"file": copy_atomic(path, self._graph_file(key))}
         write_atomic(self.directory / f"graph-{key}.json", json.dumps(meta))
 
     def _graph_file(self, key: str) -> Path:
