@@ -294,6 +294,34 @@ def test_an_export_directory_copied_elsewhere_serves_its_graphs(tmp_path: Path) 
     assert not {"torch.export", "decompose", "onnx-translate"} & set(again.timings)
 
 
+class BatchesSeen(MLP):
+    """An MLP that keeps the batch size of every call it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.batches.append(x.shape[0])
+        return super().forward(x)
+
+
+def test_a_trace_the_cache_holds_is_found_without_running_eager_on_a_made_example(tmp_path: Path) -> None:
+    """Calls of one row only: the first check traces inputs made at another batch once eager
+    accepts them; a rerun whose cache holds that trace runs the model on recorded calls only."""
+    model = BatchesSeen().eval()
+    group = observed(model, (torch.randn(1, 8),), (torch.randn(1, 8),))
+    model.batches.clear()
+    first = check_model(group, settings(tmp_path))
+    made = set(model.batches) - {1}
+    model.batches.clear()
+    again = check_model(group, settings(tmp_path))
+    assert (first.verdict, first.cache_hit, again.verdict, again.cache_hit) == ("passed", False, "passed", True)
+    assert "no recorded call has every dynamic size >= 2: exported on synthesized inputs" in again.notes
+    assert made and not set(model.batches) - {1}  # made inputs ran on the first check only
+    assert again.dims == first.dims == {"x": {"0": "batch"}}
+
+
 def test_target_torch_stops_after_torch_export(tmp_path: Path) -> None:
     group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
     result = check_model(group, settings(tmp_path, target="torch"))

@@ -50,7 +50,7 @@ from .domain import (
 )
 from .onnx_stages import check_onnx, decompose, finish, save_with_weights, translate
 from .probe import SizeProbe
-from .trace_inputs import example_to_trace, other_examples
+from .trace_inputs import example_to_trace, other_examples, planned_example
 from .tracing import Capture, Example, Specialized, Traced, reproduces, trace
 from .tracing_patches import NO_PATCHES, TracingPatches
 from .translations import custom_translations
@@ -124,8 +124,14 @@ def export_model(
     exclude (``None``: bounds are not checked)."""
     outcome, exported = _begin(module, shapes, method)
     stages = Stages(outcome)
-    assert outcome.example is not None
     if target == Target.ONNX and cache is not None:
+        # the example a trace takes unless eager rejects it: a trace the cache holds runs no eager
+        planned = outcome.example = planned_example(shapes, not outcome.bound)
+        key = outcome.trace_key = cache.trace_key(module, method, shapes, planned.args, planned.kwargs)
+        if _load_traced(cache, key, module_state(exported), onnx_path, shapes, outcome):
+            return outcome
+    outcome.example = example_to_trace(getattr(module, method), shapes, not outcome.bound, outcome.notes)
+    if target == Target.ONNX and cache is not None and not _same_sizes(outcome.example, planned):
         key = outcome.trace_key = cache.trace_key(module, method, shapes, outcome.example.args,
                                                   outcome.example.kwargs)
         if _load_traced(cache, key, module_state(exported), onnx_path, shapes, outcome):
@@ -159,16 +165,25 @@ def traced_program(
     """The program torch.export traces, as :func:`export_model` traces it (a graph whose ONNX
     file came from the export cache, traced again to localize a mismatch); raises on failure."""
     outcome, exported = _begin(module, shapes, method)
+    outcome.example = example_to_trace(getattr(module, method), shapes, not outcome.bound, outcome.notes)
     return _trace(exported, shapes, outcome, None, patches).program
 
 
 def _begin(module: torch.nn.Module, shapes: ShapeModel, method: str) -> tuple[ExportOutcome, torch.nn.Module]:
-    """A fresh outcome with the example to trace, and the module to export (constants bound)."""
+    """A fresh outcome, and the module to export (constants bound)."""
     outcome = ExportOutcome(ok=True, stage=Stage.TORCH_EXPORT, shapes=shapes)
     exported = bind_constants(module, method, shapes.aligned)
     outcome.bound = exported is not module
-    outcome.example = example_to_trace(getattr(module, method), shapes, not outcome.bound, outcome.notes)
     return outcome, exported
+
+
+def _same_sizes(example: Example, other: Example) -> bool:
+    """Whether two examples have the same leaves: tensors of the same dtypes and shapes (what the
+    trace key reads of them), the same other values."""
+    def sized(leaf: Any) -> Any:
+        return (leaf.dtype, tuple(leaf.shape)) if isinstance(leaf, torch.Tensor) else leaf
+
+    return [sized(leaf) for leaf in example.leaves] == [sized(leaf) for leaf in other.leaves]
 
 
 def _keep(outcome: ExportOutcome, cache: ExportCache, store: Callable[[], None]) -> None:

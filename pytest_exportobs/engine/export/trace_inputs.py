@@ -1,7 +1,8 @@
 """The inputs an export traces: a recorded call, else inputs made from the recorded ones.
 
-:func:`example_to_trace` picks the first example; :func:`other_examples` the ones traced again
-when torch pins a dim at the size the first one happens to have.
+:func:`example_to_trace` picks the first example (:func:`planned_example` the one it picks
+when eager accepts it, without running eager); :func:`other_examples` the ones traced again when
+torch pins a dim at the size the first one happens to have.
 """
 
 from __future__ import annotations
@@ -30,12 +31,7 @@ def example_to_trace(call: Any, shapes: ShapeModel, constants: bool, notes: list
     index = shapes.safe_call()
     if index is not None:
         return Example.of(shapes, shapes.call_leaves(index), constants)
-    index = shapes.aligned.complete_call()
-    ones = {v.name: 2 for v in shapes.variables if v.role == AxisRole.BATCH and v.values[index] == 1}
-    candidates: list[tuple[str, Callable[[], list[Any] | None]]] = [
-        ("synthesized inputs", lambda: example_leaves(shapes)),
-        (f"call {index} with its batch of one repeated to two rows", lambda: rows_repeated(shapes, index, ones)),
-    ]
+    index, candidates = _made_examples(shapes)
     for what, make in candidates:
         candidate = make()  # the second only when eager rejects the first
         if candidate is None:
@@ -50,6 +46,28 @@ def example_to_trace(call: Any, shapes: ShapeModel, constants: bool, notes: list
         notes.append(f"no recorded call has every dynamic size >= 2: exported on {what}")
         return Example.of(shapes, candidate, constants)
     return Example.of(shapes, shapes.call_leaves(index), constants)
+
+
+def planned_example(shapes: ShapeModel, constants: bool) -> Example:
+    """The example :func:`example_to_trace` takes when eager accepts the first inputs it makes,
+    found without running eager: the one an earlier trace took, which the export cache knows."""
+    index = shapes.safe_call()
+    if index is not None:
+        return Example.of(shapes, shapes.call_leaves(index), constants)
+    index, candidates = _made_examples(shapes)
+    made = next((leaves for _, make in candidates if (leaves := make()) is not None), None)
+    return Example.of(shapes, made if made is not None else shapes.call_leaves(index), constants)
+
+
+def _made_examples(shapes: ShapeModel) -> tuple[int, list[tuple[str, Callable[[], list[Any] | None]]]]:
+    """The richest recorded call, and the inputs made when no recorded call is fit to trace, in
+    the order they are tried: what each is, and how it is made (``None``: it cannot be)."""
+    index = shapes.aligned.complete_call()
+    ones = {v.name: 2 for v in shapes.variables if v.role == AxisRole.BATCH and v.values[index] == 1}
+    return index, [
+        ("synthesized inputs", lambda: example_leaves(shapes)),
+        (f"call {index} with its batch of one repeated to two rows", lambda: rows_repeated(shapes, index, ones)),
+    ]
 
 
 def other_examples(
