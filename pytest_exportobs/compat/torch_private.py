@@ -16,6 +16,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import logging
 from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
@@ -89,8 +90,6 @@ def lean_tracing() -> Iterator[None]:
       event's record (a symbolized stack per guard, graphs printed) for pytest to capture and
       nobody to read.  Other handlers (torch's own for ``TORCH_TRACE``) stay.
     """
-    import logging
-
     import torch._dynamo.config as dynamo_config
 
     trace_log = logging.getLogger("torch.__trace")

@@ -124,17 +124,19 @@ def export_model(
     exclude (``None``: bounds are not checked)."""
     outcome, exported = _begin(module, shapes, method)
     stages = Stages(outcome)
-    if target == Target.ONNX and cache is not None:
+    cached = cache if target == Target.ONNX else None
+    planned = None
+    if cached is not None:
         # the example a trace takes unless eager rejects it: a trace the cache holds runs no eager
         planned = outcome.example = planned_example(shapes, not outcome.bound)
-        key = outcome.trace_key = cache.trace_key(module, method, shapes, planned.args, planned.kwargs)
-        if _load_traced(cache, key, module_state(exported), onnx_path, shapes, outcome):
+        key = outcome.trace_key = cached.trace_key(module, method, shapes, planned.args, planned.kwargs)
+        if _load_traced(cached, key, module_state(exported), onnx_path, shapes, outcome):
             return outcome
     outcome.example = example_to_trace(getattr(module, method), shapes, not outcome.bound, outcome.notes)
-    if target == Target.ONNX and cache is not None and not _same_sizes(outcome.example, planned):
-        key = outcome.trace_key = cache.trace_key(module, method, shapes, outcome.example.args,
-                                                  outcome.example.kwargs)
-        if _load_traced(cache, key, module_state(exported), onnx_path, shapes, outcome):
+    if cached is not None and planned is not None and not _same_sizes(outcome.example, planned):
+        key = outcome.trace_key = cached.trace_key(module, method, shapes, outcome.example.args,
+                                                   outcome.example.kwargs)
+        if _load_traced(cached, key, module_state(exported), onnx_path, shapes, outcome):
             return outcome
     try:
         with stages.run(Stage.TORCH_EXPORT):
