@@ -10,6 +10,7 @@ same shapes by overwriting their bytes, the rest of the file written as it was (
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -90,26 +91,33 @@ def raw_data_spans(data: memoryview) -> dict[str, tuple[int, int]]:
     return spans
 
 
+@contextlib.contextmanager
+def _mapped(path: Path) -> Iterator[memoryview]:
+    """The file's bytes, mapped (its pages read as they are touched, not copied into memory)."""
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with memoryview(mapped) as data:
+            yield data
+
+
 def graph_inputs(path: Path) -> list[bytes]:
     """The serialized ``ValueInfoProto`` of each input of the file's main graph, in order."""
-    data = memoryview(path.read_bytes())
-    return [bytes(data[b:e]) for number, b, e in _fields(data, *_graph(data)) if number == _GRAPH_INPUT]
+    with _mapped(path) as data:
+        return [bytes(data[b:e]) for number, b, e in _fields(data, *_graph(data)) if number == _GRAPH_INPUT]
 
 
 def element_types(path: Path) -> set[int]:
     """The element types (``onnx.TensorProto`` data types) of the main graph's inputs, outputs,
     typed values and initializers, read without decoding the weights."""
-    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        with memoryview(mapped) as data:
-            types = set()
-            for number, begin, end in _fields(data, *_graph(data)):
-                if number == _GRAPH_INITIALIZER:
-                    types.add(_varints(data, begin, end).get(_TENSOR_DATA_TYPE, 0))
-                elif number in (_GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO):
-                    for type_begin, type_end in _inner(data, begin, end, _VALUE_TYPE):
-                        for tensor_begin, tensor_end in _inner(data, type_begin, type_end, _TYPE_TENSOR):
-                            types.add(_varints(data, tensor_begin, tensor_end).get(_TENSOR_ELEM_TYPE, 0))
-            return types
+    types = set()
+    with _mapped(path) as data:
+        for number, begin, end in _fields(data, *_graph(data)):
+            if number == _GRAPH_INITIALIZER:
+                types.add(_varints(data, begin, end).get(_TENSOR_DATA_TYPE, 0))
+            elif number in (_GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO):
+                for type_begin, type_end in _inner(data, begin, end, _VALUE_TYPE):
+                    for tensor_begin, tensor_end in _inner(data, type_begin, type_end, _TYPE_TENSOR):
+                        types.add(_varints(data, tensor_begin, tensor_end).get(_TENSOR_ELEM_TYPE, 0))
+    return types
 
 
 def _inner(data: memoryview, begin: int, end: int, number: int) -> Iterator[tuple[int, int]]:
@@ -123,9 +131,8 @@ def write_with_weights(source: Path, weights: Mapping[str, bytes | memoryview], 
     ``ValueError`` when one is not stored as raw bytes of that length (and writes nothing).
     ``source`` is mapped, not read into memory: the file is written from its pages and from
     ``weights`` themselves (timm's graphs: about 0.8 GB a rerun)."""
-    with source.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        with memoryview(mapped) as view:
-            return _write_replaced(view, raw_data_spans(view), weights, path)
+    with _mapped(source) as view:
+        return _write_replaced(view, raw_data_spans(view), weights, path)
 
 
 def _write_replaced(

@@ -107,7 +107,7 @@ class ExportCache:
         constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
         digest.update(json.dumps([method, shapes.aligned.leaf_names, constants]).encode())
         digest.update(json.dumps(shapes.to_json(), sort_keys=True).encode())
-        digest.update(_structure(args, kwargs).encode())
+        digest.update(call_structure(args, kwargs).encode())
         self._common(digest)
         return digest.hexdigest()[:32]
 
@@ -118,7 +118,7 @@ class ExportCache:
         ``settings``, package versions, patches and :data:`ENTRY_FORMAT`."""
         digest = _module_digest(module)
         for args, kwargs, training in calls:
-            digest.update(f"{_structure(args, kwargs)}:{training}".encode())
+            digest.update(f"{call_structure(args, kwargs)}:{training}".encode())
         digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
         self._common(digest)
         return digest.hexdigest()[:32]
@@ -173,7 +173,7 @@ class ExportCache:
         described = [method, shapes.aligned.leaf_names, constants, shapes.to_json()]
         digest.update(json.dumps(described, sort_keys=True).encode())
         for index in range(shapes.aligned.n_calls):
-            digest.update(_structure(tuple(shapes.call_leaves(index)), {}).encode())
+            digest.update(call_structure(tuple(shapes.call_leaves(index)), {}).encode())
         self._common(digest)
         return digest.hexdigest()[:32]
 
@@ -259,8 +259,9 @@ def _module_digest(module: torch.nn.Module) -> Any:
     return digest
 
 
-def _structure(args: tuple, kwargs: dict) -> str:
-    """The tree of ``args`` and ``kwargs``, tensors by dtype and shape, other leaves by value."""
+def call_structure(args: tuple, kwargs: dict) -> str:
+    """The tree of ``args`` and ``kwargs``, tensors by dtype and shape, other leaves by value:
+    what the keys read of a call."""
     flat, spec = _pytree.tree_flatten((args, kwargs))
     return f"{spec}{[(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in flat]!r}"
 

@@ -35,7 +35,7 @@ from ..base.environment import EnvironmentProblem, writing
 from ..base.reasons import one_line_reason
 from ..base.result import ExportFiles
 from .bound import bind_constants
-from .cache import ExportCache, GraphEntry, GraphHit, TraceEntry, module_state
+from .cache import ExportCache, GraphEntry, GraphHit, TraceEntry, call_structure, module_state
 from .domain import (
     Refinement,
     Shape,
@@ -133,7 +133,8 @@ def export_model(
         if _load_traced(cached, key, module_state(exported), onnx_path, shapes, outcome):
             return outcome
     outcome.example = example_to_trace(getattr(module, method), shapes, not outcome.bound, outcome.notes)
-    if cached is not None and planned is not None and not _same_sizes(outcome.example, planned):
+    if cached is not None and planned is not None and call_structure(
+            outcome.example.args, outcome.example.kwargs) != call_structure(planned.args, planned.kwargs):
         key = outcome.trace_key = cached.trace_key(module, method, shapes, outcome.example.args,
                                                    outcome.example.kwargs)
         if _load_traced(cached, key, module_state(exported), onnx_path, shapes, outcome):
@@ -177,15 +178,6 @@ def _begin(module: torch.nn.Module, shapes: ShapeModel, method: str) -> tuple[Ex
     exported = bind_constants(module, method, shapes.aligned)
     outcome.bound = exported is not module
     return outcome, exported
-
-
-def _same_sizes(example: Example, other: Example) -> bool:
-    """Whether two examples have the same leaves: tensors of the same dtypes and shapes (what the
-    trace key reads of them), the same other values."""
-    def sized(leaf: Any) -> Any:
-        return (leaf.dtype, tuple(leaf.shape)) if isinstance(leaf, torch.Tensor) else leaf
-
-    return [sized(leaf) for leaf in example.leaves] == [sized(leaf) for leaf in other.leaves]
 
 
 def _keep(outcome: ExportOutcome, cache: ExportCache, store: Callable[[], None]) -> None:
