@@ -29,7 +29,8 @@ from .explore.localize import localize_call
 from .explore.variations import VariationOutcome, explore
 from .export.cache import ExportCache
 from .export.domain import conditions
-from .export.pipeline import ExportOutcome, export_model, traced_program
+from .export.outcome import ExportOutcome
+from .export.pipeline import export_model, traced_program
 from .export.probe import SizeProbe, probed_unvaried_dims
 from .planning import GraphPlan
 from .repro import write_repro

@@ -11,8 +11,8 @@ weights) stay out of the session's process, whose memory holds every kept model.
 
 What each check is expected to take next time is kept in the export cache under a key known
 before the check (:meth:`~.export.cache.ExportCache.check_key`): what it took, less the stages the
-cache serves next time when it passed (torch.export, decomposition, translation, variations), so
-that the first rerun after a first run is placed as a rerun.  A model whose code, configuration,
+cache serves next time (the exports, passed or failed; the variations when it passed), so that
+the first rerun after a first run is placed as a rerun.  A model whose code, configuration,
 calls or settings changed has no record, and is forked as on a first run.  A record only places
 a check; no verdict depends on it.
 """
@@ -33,8 +33,9 @@ from .export.cache import ExportCache, module_state
 IN_PROCESS_SECONDS = 2.0  # a check expected to take less runs in process
 IN_PROCESS_BYTES = 64 << 20  # the weights of a model checked in process, at most
 
-# the stages of a passed check that the export cache serves on the next run
-_SERVED_BY_THE_CACHE = (Stage.TORCH_EXPORT, Stage.DECOMPOSE, Stage.ONNX_TRANSLATE, Stage.ONNX_CHECKER, Stage.VARIATIONS)
+# the stages of a check that the export cache serves on the next run: the exports whether they
+# passed or failed, the variations of a passed check
+_EXPORT_STAGES = (Stage.TORCH_EXPORT, Stage.DECOMPOSE, Stage.ONNX_TRANSLATE, Stage.ONNX_CHECKER)
 # settings that decide where the files go or how long a check may take, not what it does
 _PLACEMENT_ONLY = ("export_dir", "use_cache", "timeout")
 
@@ -67,12 +68,10 @@ class CheckCosts:
 
 def expected_rerun_seconds(result: ModelResult, seconds: float) -> float:
     """What the next check of a model is expected to take after this one took ``seconds``: as
-    much, less the stages the export cache serves next time when this one passed (the first run
-    of a model exports; its rerun, with nothing changed, does not)."""
-    if result.verdict != Verdict.PASSED:
-        return seconds
-    served = sum(result.timings.get(stage, 0.0) for stage in _SERVED_BY_THE_CACHE)
-    return max(0.0, seconds - served)
+    much, less the stages the export cache serves next time (the first run of a model exports;
+    its rerun, with nothing changed, does not, nor explores the shapes a passed check explored)."""
+    served = (*_EXPORT_STAGES, Stage.VARIATIONS) if result.verdict == Verdict.PASSED else _EXPORT_STAGES
+    return max(0.0, seconds - sum(result.timings.get(stage, 0.0) for stage in served))
 
 
 def _check_key(cache: ExportCache, group: ModelGroup, settings: dict[str, Any]) -> str | None:

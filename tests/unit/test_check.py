@@ -251,6 +251,85 @@ def test_an_entry_of_an_earlier_format_misses_the_cache(tmp_path: Path, monkeypa
     assert check_model(group, settings(tmp_path)).cache_hit is True
 
 
+def test_an_entry_made_by_other_code_of_the_plugin_misses_the_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin's own code is part of every key: an entry another version of it made (same
+    version number, other source) is not served."""
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    assert check_model(group, settings(tmp_path)).cache_hit is False
+    monkeypatch.setattr(cache, "_plugin_digest", lambda: "other code")
+    assert check_model(group, settings(tmp_path)).cache_hit is False
+    monkeypatch.undo()
+    assert check_model(group, settings(tmp_path)).cache_hit is True
+
+
+class StepByStep(torch.nn.Module):
+    """A recurrence over the sequence in Python (Mamba's path without its kernels): a graph
+    holds one length, whatever the length traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state, states = torch.zeros_like(x[:, 0]), []
+        for index in range(x.shape[1]):  # one step per position
+            state = torch.tanh(self.cell(state) + x[:, index])
+            states.append(state)
+        return torch.stack(states, 1)
+
+
+@contextlib.contextmanager
+def traced_sizes() -> Iterator[list[tuple[int, ...]]]:
+    """The shapes of the first tensor of every torch.export call made meanwhile."""
+    sizes: list[tuple[int, ...]] = []
+    export = torch.export.export
+
+    def counted(module, args, kwargs=None, **options):
+        first = next(t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor))
+        sizes.append(tuple(first.shape))
+        return export(module, args, kwargs, **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.export, "export", counted)
+        yield sizes
+
+
+def test_a_line_that_pins_every_size_stops_the_retraces_and_a_rerun_fails_alike_untraced(tmp_path: Path) -> None:
+    """The sequence pinned at the loop on the first example (named dims, then ``Dim.DYNAMIC``)
+    and again at the loop on another recorded length (named dims): the line pins every length, no
+    other export is tried.  The failure is kept in the export cache: the rerun reports it as the
+    first check did, without tracing."""
+    calls = [(torch.randn(2, n, 4),) for n in (5, 7, 6, 8)]
+    with traced_sizes() as first_sizes:
+        first = check_model(observed(StepByStep().eval(), *calls), settings(tmp_path))
+    with traced_sizes() as rerun_sizes:
+        again = check_model(observed(StepByStep().eval(), *calls), settings(tmp_path))
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if "for index in range(x.shape[1]):" in text)
+    assert (first.verdict, first.stage, first.kind) == ("failed", "torch.export", "specialized")
+    assert first.reason == ("seq (x.1, the tests vary it) specialized to 5 by torch.export at "
+                            f"tests/unit/test_check.py:{line}: for index in range(x.shape[1]):  # one step per position")
+    assert [size[1] for size in first_sizes] == [5, 5, 7]
+    assert rerun_sizes == []
+    assert (again.verdict, again.stage, again.kind, again.reason, again.dims, again.cache_hit) == (
+        first.verdict, first.stage, first.kind, first.reason, first.dims, True)
+    assert again.graphs[0].traceback == first.graphs[0].traceback
+    assert again.notes == [*first.notes, "export cache hit: this trace failed at torch.export on an earlier run "
+                                         "with nothing it depends on changed since, not exported again"]
+
+
+def test_a_failed_translation_is_kept_and_the_rerun_neither_traces_nor_translates(tmp_path: Path) -> None:
+    group = observed(UsesMystery(), (torch.randn(2, 4),), (torch.randn(3, 4),))
+    first = check_model(group, settings(tmp_path))
+    with traced_sizes() as sizes:
+        again = check_model(group, settings(tmp_path))
+    assert (first.verdict, first.stage, first.cache_hit) == ("failed", "onnx-translate", False)
+    assert (again.verdict, again.stage, again.kind, again.reason, again.cache_hit) == (
+        "failed", "onnx-translate", first.kind, first.reason, True)
+    assert sizes == [] and "onnx-translate" not in again.timings and again.dims == first.dims
+
+
 def test_corrupted_cache_entry_is_rebuilt(tmp_path: Path) -> None:
     group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
     check_model(group, settings(tmp_path))
@@ -1529,9 +1608,10 @@ def test_a_rerun_takes_the_dims_eager_rejects_from_the_export_cache_and_other_ca
     assert (other.verdict, other.dims, len(probed)) == ("passed", first.dims, 2)
 
 
-def test_a_passed_first_check_expects_its_rerun_without_the_stages_the_cache_serves() -> None:
+def test_a_first_check_expects_its_rerun_without_the_stages_the_cache_serves() -> None:
     """The first rerun after a first run is placed as a rerun: what the export, decomposition,
-    translation and variations took is not expected again; a failed check is expected again."""
+    translation and variations took is not expected again; a failed check's exports are served
+    (kept, failed or not), its variations are not."""
     from pytest_exportobs.engine.base.result import GraphResult, ModelResult
     from pytest_exportobs.engine.placement import expected_rerun_seconds
 
@@ -1540,4 +1620,4 @@ def test_a_passed_first_check_expects_its_rerun_without_the_stages_the_cache_ser
     passed = ModelResult(name="m", verdict="passed", graphs=[GraphResult(name="", verdict="passed", timings=timings)])
     assert expected_rerun_seconds(passed, 8.0) == pytest.approx(0.4)
     failed = ModelResult(name="m", verdict="failed", graphs=[GraphResult(name="", verdict="failed", timings=timings)])
-    assert expected_rerun_seconds(failed, 8.0) == 8.0
+    assert expected_rerun_seconds(failed, 8.0) == pytest.approx(1.9)

@@ -1,7 +1,10 @@
 """The export cache: what torch.export and the ONNX translation produced, at two levels.
 
 A *trace* entry, keyed by everything the trace depends on except the weights' values, holds what
-the trace established and the key of its graph: a hit skips torch.export.  A *graph* entry, keyed
+the trace established and the key of its graph: a hit skips torch.export.  An export that failed
+(torch.export, the decomposition, the translation or the checker; not the machine's problems nor
+a lack of memory) is a trace entry too, holding the failure: a rerun reports it again without
+tracing, as nothing it depends on changed.  A *graph* entry, keyed
 by the traced program itself, holds its ONNX file, optimized with the weights held as inputs (so
 that none is folded into another initializer: they stay initializers named after the module's
 state): a hit skips the decomposition and the translation, and graphs that differ only by
@@ -15,7 +18,8 @@ entry, keyed by what a model's check depends on that is known before it begins (
 calls' structure, the settings), holds what its next check is expected to take: the next run
 places its checks with it (see :mod:`..placement`), and no verdict depends on it.
 Verification always runs.  Code paths chosen by environment variables or global state are not
-part of the keys.
+part of the keys; the plugin's own code is (its source files' digest: an entry made by other code of
+the same version misses).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch.utils import _pytree
 from ...core.configuration import configuration_text
 from ...core.files import copy_atomic, file_digest, write_atomic
 from ...core.versions import package_versions
+from ...core.vocabulary import Kind, Stage
 from ...shapes.model import ShapeModel
 from .domain import Refinement
 
@@ -42,20 +47,39 @@ from .domain import Refinement
 # applied by name; 4: the dims a trace made static among its refinements; 5: one file, optimized
 # with the weights held as inputs; 6: its weights compared with the module's as they are
 # written, no digest of them; 7: the graph file known by the digest of its content, which a
-# cache copied or restored in CI keeps, not by its inode and modification time)
-ENTRY_FORMAT = 7
+# cache copied or restored in CI keeps, not by its inode and modification time; 8: failed exports
+# kept, the plugin's code in every key)
+ENTRY_FORMAT = 8
+
+
+@dataclass
+class ExportFailure:
+    """How an export failed: the failing stage, the kind of failure, the exception's type, the
+    one-line reason and the traceback."""
+
+    stage: Stage
+    kind: Kind
+    error_type: str
+    reason: str
+    traceback: str
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ExportFailure:
+        return cls(**data | {"stage": Stage(data["stage"]), "kind": Kind(data["kind"])})
 
 
 @dataclass
 class TraceEntry:
-    """What a trace established: the key of its graph entry, notes, the refinements of the shape
-    model, the names of the graph's outputs and how torch was given the dims."""
+    """What a trace established: the key of its graph entry (``""`` when it failed), notes, the
+    refinements of the shape model, the names of the graph's outputs, how torch was given the dims
+    and the export's ``failure``, if it failed."""
 
     graph: str
     notes: list[str] = field(default_factory=list)
     refinements: list[Refinement] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     dims_form: str = ""
+    failure: ExportFailure | None = None
 
 
 @dataclass
@@ -102,7 +126,7 @@ class ExportCache:
         (qualified names and source files), its configuration, the method exported, the constant
         arguments bound, the input structure (tree, dtypes, ranks) and its dynamic dims, the names,
         dtypes and shapes of the weights (not their values), the values of tensors held as plain
-        attributes, package versions, patches and :data:`ENTRY_FORMAT`."""
+        attributes, package versions, the plugin's code, patches and :data:`ENTRY_FORMAT`."""
         digest = _module_digest(module)
         constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
         digest.update(json.dumps([method, shapes.aligned.leaf_names, constants]).encode())
@@ -115,7 +139,7 @@ class ExportCache:
         """Hash of what a model's check depends on that is known before it begins: the module as
         in :meth:`trace_key`, the structure of its recorded ``calls`` (arguments, keyword
         arguments, training mode; tensors by dtype and shape), the check's JSON-native
-        ``settings``, package versions, patches and :data:`ENTRY_FORMAT`."""
+        ``settings``, package versions, the plugin's code, patches and :data:`ENTRY_FORMAT`."""
         digest = _module_digest(module)
         for args, kwargs, training in calls:
             digest.update(f"{call_structure(args, kwargs)}:{training}".encode())
@@ -135,7 +159,7 @@ class ExportCache:
     def graph_key(self, program: torch.export.ExportedProgram, axis_names: dict[str, str], state: set[str]) -> str:
         """Hash of the traced program: its code with every node's dtype and symbolic shape, its
         signature and ranges, the values of its constants that are not the module's ``state``,
-        the axis names, package versions, patches and :data:`ENTRY_FORMAT`."""
+        the axis names, package versions, the plugin's code, patches and :data:`ENTRY_FORMAT`."""
         digest = hashlib.sha256()
         code = program.graph_module.print_readable(print_output=False, include_stride=False, include_device=False)
         digest.update(code.encode())
@@ -149,7 +173,7 @@ class ExportCache:
         return digest.hexdigest()[:32]
 
     def _common(self, digest: Any) -> None:
-        digest.update(json.dumps([package_versions(), list(self.extra), ENTRY_FORMAT]).encode())
+        digest.update(json.dumps([package_versions(), list(self.extra), ENTRY_FORMAT, _plugin_digest()]).encode())
 
     def exploration_key(self, trace_key: str, settings: object) -> str:
         """Hash of a trace's key and the exploration's JSON-native ``settings``."""
@@ -167,7 +191,7 @@ class ExportCache:
     def probe_key(self, module: torch.nn.Module, method: str, shapes: ShapeModel) -> str:
         """Hash of what probing ``shapes``' unvaried dims in eager depends on: the module as in
         :meth:`trace_key`, the method, the constant arguments, the shape model and its calls'
-        leaves (dtypes and shapes), package versions, patches and :data:`ENTRY_FORMAT`."""
+        leaves (dtypes and shapes), package versions, the plugin's code, patches and :data:`ENTRY_FORMAT`."""
         digest = _module_digest(module)
         constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
         described = [method, shapes.aligned.leaf_names, constants, shapes.to_json()]
@@ -194,6 +218,7 @@ class ExportCache:
         meta = self._read(f"trace-{key}.json")
         try:
             meta["refinements"] = [Refinement.from_json(r) for r in meta["refinements"]]
+            meta["failure"] = ExportFailure.from_json(meta["failure"]) if meta["failure"] else None
             return TraceEntry(**meta)
         except (ValueError, KeyError, TypeError):  # missing, or not an entry's fields
             return None
@@ -295,6 +320,17 @@ def _source_files(module: torch.nn.Module) -> list[str]:
         except (OSError, TypeError):
             texts[cls.__qualname__] = f"{cls.__module__}.{cls.__qualname__}"
     return [texts[k] for k in sorted(texts, key=str)]
+
+
+@functools.cache
+def _plugin_digest() -> str:
+    """Digest of the plugin's own source files, read once per process."""
+    digest = hashlib.sha256()
+    package = Path(__file__).parents[2]
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 @functools.cache

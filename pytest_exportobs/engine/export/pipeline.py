@@ -10,12 +10,9 @@ translation when the traced program is one it holds.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import time
-import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +26,11 @@ from ...compat.torch_private import (
 )
 from ...core.text import error_line
 from ...core.trees import spec_paths
-from ...core.vocabulary import Kind, Stage, Target
+from ...core.vocabulary import Stage, Target
 from ...shapes.model import ShapeModel
 from ..base.environment import EnvironmentProblem, writing
-from ..base.reasons import one_line_reason
-from ..base.result import ExportFiles
 from .bound import bind_constants
-from .cache import ExportCache, GraphEntry, GraphHit, TraceEntry, call_structure, module_state
+from .cache import ExportCache, ExportFailure, GraphEntry, GraphHit, TraceEntry, call_structure, module_state
 from .domain import (
     Refinement,
     Shape,
@@ -49,67 +44,12 @@ from .domain import (
     refinements,
 )
 from .onnx_stages import check_onnx, decompose, finish, save_with_weights, translate
+from .outcome import ExportOutcome, StageFailed, Stages
 from .probe import SizeProbe
 from .trace_inputs import example_to_trace, other_examples, planned_example
 from .tracing import Capture, Example, Specialized, Traced, reproduces, trace
 from .tracing_patches import NO_PATCHES, TracingPatches
 from .translations import custom_translations
-
-
-@dataclass
-class ExportOutcome(ExportFiles):
-    """Result of the export stages, with the files they wrote; ``stage`` is the failing stage,
-    or the last one done.
-
-    ``kind`` of a failure: ``error`` (an exception) or ``specialized`` (a dynamic dim became a
-    constant).  ``dims`` are read back from the file written (the program with target torch).
-    """
-
-    ok: bool
-    stage: Stage
-    shapes: ShapeModel  # the shape model, as far as the export refined it
-    kind: Kind | None = None
-    error_type: str = ""
-    reason: str = ""
-    traceback: str = ""
-    timings: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    program: Any = None
-    bound: bool = False  # the exported module is a BoundConstants: its inputs are tensors only
-    example: Example | None = None
-    dims: dict[str, dict[str, str]] = field(default_factory=dict)
-    refinements: list[Refinement] = field(default_factory=list)  # what the export established
-    outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
-    trace_key: str = ""  # the export cache's key of the trace ("" without a cache)
-
-
-class StageFailed(Exception):
-    """Raised inside :class:`Stages` to stop at the failing stage."""
-
-
-class Stages:
-    """Times named stages and turns the first exception into a failing outcome."""
-
-    def __init__(self, outcome: ExportOutcome):
-        self.outcome = outcome
-
-    @contextlib.contextmanager
-    def run(self, name: Stage) -> Iterator[None]:
-        self.outcome.stage = name
-        begin = time.perf_counter()
-        try:
-            yield
-        except EnvironmentProblem:
-            raise  # the machine's, not a failure of the stage
-        except Exception as e:
-            self.outcome.ok = False
-            self.outcome.kind = Kind.SPECIALIZED if isinstance(e, Specialized) else Kind.ERROR
-            self.outcome.error_type = type(e).__name__
-            self.outcome.reason = str(e) if isinstance(e, Specialized) else one_line_reason(name, e)
-            self.outcome.traceback = "".join(traceback.format_exception(e))
-            raise StageFailed(name) from e
-        finally:
-            self.outcome.timings[name] = self.outcome.timings.get(name, 0.0) + time.perf_counter() - begin
 
 
 def export_model(
@@ -143,22 +83,23 @@ def export_model(
         with stages.run(Stage.TORCH_EXPORT):
             traced = _trace(exported, shapes, outcome, probe, patches)
         refined = [*made_static(shapes, traced.shapes), *traced.splits]  # already in traced.shapes
-        program, outcome.dims_form, shapes = traced.program, traced.form, traced.shapes
+        program, outcome.dims_form = traced.program, traced.form
         outcome.program = program
         outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
-        shapes, names = _refine(shapes, program_shapes(program), refined, outcome)
+        final, names = _refine(traced.shapes, program_shapes(program), refined, outcome)
         if target == Target.TORCH:
-            outcome.dims = read_dims(shapes, outcome.example.inputs, program_shapes(program), names)
+            outcome.dims = read_dims(final, outcome.example.inputs, program_shapes(program), names)
             _save_program(program, onnx_path.with_suffix(".pt2"), outcome)
             return outcome
         traced_notes = list(outcome.notes)
         graph = _to_onnx(stages, program, names, onnx_path, outcome, cache, module_state(exported))
-        outcome.dims = _onnx_dims(shapes, onnx_path, outcome)
+        outcome.dims = _onnx_dims(final, onnx_path, outcome)
         if cache is not None:
             entry = TraceEntry(graph, traced_notes, outcome.refinements, outcome.outputs, outcome.dims_form)
             _keep(outcome, cache, lambda: cache.store_trace(key, entry))
     except StageFailed:
-        pass
+        if cached is not None and (failed := _failed_entry(shapes, outcome)) is not None:
+            _keep(outcome, cached, lambda: cached.store_trace(outcome.trace_key, failed))
     return outcome
 
 
@@ -221,8 +162,10 @@ def _trace_pinned(
     """:func:`~.tracing.trace` on the example; when torch pins a dim at the size the example
     happens to have (a size the model treats specially: DINOv2 skips its position interpolation
     at the config's image size), traced again on recorded calls of other sizes, then on inputs
-    synthesized at another size, before failing.  ``outcome.shapes`` follows the refinements
-    made on the way, a failure's included."""
+    synthesized at another size, before failing.  The pin stands as soon as another size is
+    pinned at the same line: that line pins every size (Mamba's ``for i in range(seq_len)``), not
+    the one the example happened to have.  ``outcome.shapes`` follows the refinements made on the
+    way, a failure's included."""
     assert outcome.example is not None
     try:
         return trace(module, shapes, outcome.example, not outcome.bound, outcome.notes, probe, capture)
@@ -233,9 +176,11 @@ def _trace_pinned(
         for what, leaves in other_examples(shapes, outcome.example, pinned.name, probe):
             example = Example.of(shapes, leaves, constants=not outcome.bound)
             try:
-                found = trace(module, shapes, example, not outcome.bound, outcome.notes, probe, capture)
+                found = trace(module, shapes, example, not outcome.bound, outcome.notes, probe, capture, pinned)
             except Specialized as again:
                 outcome.shapes = shapes = again.shapes
+                if again.pins_as(pinned):
+                    break
                 continue
             if not reproduces(found.program, module, outcome.example):
                 break  # the size is special for the model, not only for the trace: the pin stands
@@ -350,12 +295,29 @@ def _onnx_dims(shapes: ShapeModel, path: Path, outcome: ExportOutcome) -> dict[s
     return read_dims(shapes, outcome.example.inputs, read, {})
 
 
+def _failed_entry(shapes: ShapeModel, outcome: ExportOutcome) -> TraceEntry | None:
+    """The trace entry of a failed export of ``shapes``; ``None`` when the failure is not one
+    to keep (a lack of memory) or the shape model it left cannot be restored from refinements."""
+    assert outcome.kind is not None
+    if outcome.error_type == "MemoryError":
+        return None
+    found = outcome.refinements or made_static(shapes, outcome.shapes)
+    if apply_refinements(shapes, found)[0].to_json() != outcome.shapes.to_json():
+        return None
+    failure = ExportFailure(outcome.stage, outcome.kind, outcome.error_type, outcome.reason, outcome.traceback)
+    return TraceEntry("", list(outcome.notes), found, outcome.outputs, outcome.dims_form, failure)
+
+
 def _load_traced(
     cache: ExportCache, key: str, state: dict[str, torch.Tensor], path: Path, shapes: ShapeModel,
     outcome: ExportOutcome,
 ) -> bool:
-    """Restore the outcome of an earlier export of the same trace, and write its graph."""
+    """Restore the outcome of an earlier export of the same trace: write its graph, or fail as
+    it failed."""
     entry = cache.load_trace(key)
+    if entry is not None and entry.failure is not None:
+        _failed_as_before(entry, entry.failure, shapes, outcome)
+        return True
     hit = cache.load_graph(entry.graph) if entry is not None else None
     if entry is None or hit is None:
         return False
@@ -369,6 +331,17 @@ def _load_traced(
     outcome.notes.append("export cache hit: torch.export and translation skipped")
     outcome.dims = _onnx_dims(outcome.shapes, path, outcome)
     return True
+
+
+def _failed_as_before(entry: TraceEntry, failure: ExportFailure, shapes: ShapeModel, outcome: ExportOutcome) -> None:
+    """The outcome of an export that failed on an earlier run of the same trace."""
+    outcome.ok, outcome.cache_hit = False, True
+    outcome.stage, outcome.kind, outcome.error_type = failure.stage, failure.kind, failure.error_type
+    outcome.reason, outcome.traceback = failure.reason, failure.traceback
+    outcome.refinements, outcome.outputs, outcome.dims_form = entry.refinements, entry.outputs, entry.dims_form
+    outcome.shapes, _ = apply_refinements(shapes, entry.refinements)
+    outcome.notes = [*entry.notes, f"export cache hit: this trace failed at {failure.stage} on an earlier run with "
+                                   "nothing it depends on changed since, not exported again"]
 
 
 def prepare(target: Target, translating: bool = True) -> None:

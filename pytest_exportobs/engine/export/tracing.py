@@ -54,9 +54,13 @@ class Specialized(Exception):
         axes = ", ".join(f"{shapes.aligned.leaf_names[leaf]}.{dim}" for leaf, dim in var.axes)
         where = f" at {location}" if location else ""
         super().__init__(f"{name} ({axes}, {_why(var.source)}) {what} by torch.export{where}")
-        self.name, self.what = name, what
+        self.name, self.what, self.location = name, what, location
         self.shapes = shapes  # the model as refined when torch pinned the dim (guessed dims made static)
         self.retrace = retrace  # whether tracing at another size may keep the dim (a pin may; a bound not)
+
+    def pins_as(self, other: Specialized | None) -> bool:
+        """Whether this pin is ``other``'s at another size: the same dim, at the same known line."""
+        return other is not None and bool(self.location) and (self.name, self.location) == (other.name, other.location)
 
 
 @dataclass
@@ -114,7 +118,7 @@ NON_STRICT = Capture()
 
 def trace(
     module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, notes: list[str],
-    probe: SizeProbe | None, capture: Capture = NON_STRICT,
+    probe: SizeProbe | None, capture: Capture = NON_STRICT, pinned: Specialized | None = None,
 ) -> Traced:
     """``torch.export.export`` of ``module`` on the example with the shape model's named dims,
     refined with torch's suggested fixes, captured as ``torch.onnx.export`` captures (see
@@ -122,14 +126,17 @@ def trace(
     not).  A dim the program still has as a constant is checked like a suggested constant; a
     demanded dim torch bounds above is a :class:`Specialized` failure when the ``probe`` finds
     eager reaching a size past the bound, or exported again split where the model's own next step
-    holds some of its axes at the bound.  Raises :class:`Specialized`, or torch's error."""
+    holds some of its axes at the bound.  ``pinned``: how the dims were pinned on another example;
+    pinned again at the same line, the dim is not tried as ``Dim.DYNAMIC`` (that line pins every
+    size).  Raises :class:`Specialized`, or torch's error."""
     splits: list[Refinement] = []
     with capturing(), logged_specializations() as specializations:
         while True:
             program = _spec_export(module, shapes, example, constants, notes, capture) if spec_api() else None
             form = "Dim" if program is None else "ShapesSpec"
             if program is None:
-                program, shapes = _export(module, shapes, example, constants, specializations, notes, capture)
+                program, shapes = _export(module, shapes, example, constants, specializations, notes, capture,
+                                          pinned)
             read = program_shapes(program)
             for axis in static_axes(shapes, example.inputs, read):
                 shapes = _keep_static(shapes, {axis.variable.name: axis.value}, specializations, notes)
@@ -161,10 +168,11 @@ def _spec_export(
 
 def _export(
     module: torch.nn.Module, shapes: ShapeModel, example: Example, constants: bool, specializations: SpecializationLog,
-    notes: list[str], capture: Capture,
+    notes: list[str], capture: Capture, pinned: Specialized | None = None,
 ) -> tuple[torch.export.ExportedProgram, ShapeModel]:
-    """Named dims, refined until torch accepts them; else ``Dim.DYNAMIC`` and torch's ranges.
-    Returns the program and the shape model without the guessed dims torch made constant."""
+    """Named dims, refined until torch accepts them; else ``Dim.DYNAMIC`` and torch's ranges,
+    unless a demanded dim is ``pinned`` as before.  Returns the program and the shape model without
+    the guessed dims torch made constant."""
     named: tuple[Any, ...] | dict[str, Any] | list[Any] = shapes.to_dynamic_shapes(named=True, constants=constants)
     for _ in range(MAX_ATTEMPTS):
         try:
@@ -178,8 +186,10 @@ def _export(
         if specialized:
             try:
                 shapes = _keep_static(shapes, specialized, specializations, notes)
-            except Specialized as pinned:
-                return _unnamed_export(module, pinned.shapes, example, constants, pinned, notes, capture), pinned.shapes
+            except Specialized as again:
+                if again.pins_as(pinned):
+                    raise
+                return _unnamed_export(module, again.shapes, example, constants, again, notes, capture), again.shapes
             named = shapes.to_dynamic_shapes(named=True, constants=constants)
             continue
         try:
