@@ -225,6 +225,41 @@ def taken_as_traced(prepared: torch.export.ExportedProgram) -> bool:
     return prepared.dialect == "TRAINING"
 
 
+def output_order(traced: torch.export.ExportedProgram, translated: torch.export.ExportedProgram) -> list[int]:
+    """For each output of the ``translated`` program (the ONNX graph's, in order), the index of
+    the ``traced`` program's output it is.  A program torch decomposed was traced again through
+    its module, whose outputs are rebuilt from the out spec and flattened again: a model output
+    whose keys were set out of its fields' order (transformers' captured ``router_logits`` before
+    ``hidden_states``) comes out in its fields' order, while the out spec keeps the first one
+    (torch 2.13, 2.15).  The order is taken only when the graphs' output values agree with it."""
+    values = [_output_values(traced), _output_values(translated)]
+    identity = list(range(len(values[0])))
+    if taken_as_traced(translated) or len(values[1]) != len(identity):
+        return identity
+    try:
+        rebuilt = pytree.tree_leaves(pytree.tree_unflatten(values[0], traced.call_spec.out_spec))
+    except Exception:  # a class whose unflattening needs more than its values: torch's retrace would fail alike
+        return identity
+    positions: dict[int, list[int]] = {}  # one value may be several outputs (the last hidden state twice)
+    for index, value in enumerate(values[0]):
+        positions.setdefault(id(value), []).append(index)
+    order = [positions[id(value)].pop(0) if positions.get(id(value)) else -1 for value in rebuilt]
+    if sorted(order) != identity or order == identity:
+        return identity
+    described = [[(str(getattr(v, "dtype", "")), str(getattr(v, "shape", v))) for v in vs] for vs in values]
+    return order if described[1] == [described[0][i] for i in order] else identity
+
+
+def _output_values(program: torch.export.ExportedProgram) -> list[Any]:
+    """The values (fake tensors, symbolic or constant sizes) of the program's user outputs (not
+    its buffers' mutations), in order."""
+    output = next(node for node in program.graph.nodes if node.op == "output")
+    user = torch.export.graph_signature.OutputKind.USER_OUTPUT
+    kinds = [spec.kind for spec in program.graph_signature.output_specs]
+    return [arg.meta.get("val", arg) if isinstance(arg, torch.fx.Node) else arg
+            for arg, kind in zip(output.args[0], kinds, strict=True) if kind == user]
+
+
 def guards_on_data(error: BaseException, function: str) -> bool:
     """Whether ``error`` is torch's guard on a data-dependent size, raised in ``function`` (as the
     message's "Caused by" names it: ``nll_loss``)."""

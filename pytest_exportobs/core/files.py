@@ -9,6 +9,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,13 @@ def write_atomic(path: str | os.PathLike[str], text: str) -> Path:
     return Path(path)
 
 
-def copy_atomic(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> str:
-    """Copy ``source`` to ``path`` as :func:`write_atomic` writes; the :func:`file_digest` of the
-    copy, read before it is moved there (a file another process moves there later is known by
-    its own)."""
+def copy_atomic(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> FileMark:
+    """Copy ``source`` to ``path`` as :func:`write_atomic` writes; the :class:`FileMark` of the
+    copy, taken before it is moved there (a file another process moves there later has its own)."""
     with _replacing(Path(path)) as tmp:
         shutil.copyfile(source, tmp)
-        digest = file_digest(tmp)
-    return digest
+        mark = FileMark.of(tmp)
+    return mark
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
@@ -46,6 +46,29 @@ def file_digest(path: str | os.PathLike[str]) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileMark:
+    """A file's content as hashed (:func:`file_digest`), with the size and modification time it
+    had then: a file that still has both is taken as hashed without being read again (a rerun in
+    place); another (a copy, a cache restored in CI) is hashed."""
+
+    digest: str
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str]) -> FileMark:
+        found = os.stat(path)  # before the content: a write while it is hashed changes the time
+        return cls(file_digest(path), found.st_size, found.st_mtime_ns)
+
+    def describes(self, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` holds the content marked (raises ``OSError`` when it cannot be read)."""
+        found = os.stat(path)
+        if (found.st_size, found.st_mtime_ns) == (self.size, self.mtime_ns):
+            return True
+        return found.st_size == self.size and file_digest(path) == self.digest
 
 
 @contextlib.contextmanager

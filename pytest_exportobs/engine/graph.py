@@ -25,15 +25,14 @@ from .base.environment import writing
 from .base.origins import failure_line
 from .base.result import GraphResult
 from .context import ModelContext
-from .explore.localize import localize_call
+from .diagnosis import Diagnosis
 from .explore.variations import VariationOutcome, explore
 from .export.cache import ExportCache
 from .export.domain import conditions
 from .export.outcome import ExportOutcome
-from .export.pipeline import export_model, traced_program
+from .export.pipeline import export_model
 from .export.probe import SizeProbe, probed_unvaried_dims
 from .planning import GraphPlan
-from .repro import write_repro
 from .verify.compare import OutputLayout, padded_note, verify_calls
 from .verify.references import Reproduction, refreshed, reproduction
 from .verify.runtimes import Unrunnable, onnx_runner, program_runner
@@ -57,6 +56,7 @@ class GraphCheck:
         self.split: list[int] = []  # model call indices to move to a graph of their own
         self.asserted: list[Any] = []  # conditions on sizes the program asserts, the ONNX file does not check
         self.program: torch.export.ExportedProgram | None = None  # as traced (None: from the export cache)
+        self.diagnosis = Diagnosis(context, self.result, directory)
 
     def run(self) -> GraphResult:
         """The stages in order: the first that ends the check (:class:`GraphEnded`) leaves the
@@ -76,7 +76,7 @@ class GraphCheck:
             outcome = self._export()
             self.program = outcome.program
             self.runner = self._runner(outcome)
-            self.layout = OutputLayout.of(outcome.outputs, self.shapes.aligned.leaf_names)
+            self.layout = OutputLayout.of(outcome.outputs, self.shapes.aligned.leaf_names, outcome.output_order)
             self._verify(self.runner)
             if not context.examples:
                 return
@@ -149,7 +149,7 @@ class GraphCheck:
             result.inputs = [self.shapes.aligned.leaf_names[leaf] for leaf in outcome.example.inputs]
         if not outcome.ok:
             result.kind, result.reason, result.traceback = outcome.kind, outcome.reason, outcome.traceback
-            self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))
+            self.diagnosis.repro(self.shapes)
             raise GraphEnded
         return outcome
 
@@ -171,7 +171,7 @@ class GraphCheck:
                 result.runtime = Runtime.PROGRAM
         except Unrunnable as gap:
             if gap.crash:
-                self._repro(self.shapes.call_leaves(self.shapes.aligned.complete_call()))  # of stage ort-load
+                self.diagnosis.repro(self.shapes)  # of stage ort-load
                 result.stage, result.kind = Stage.ISOLATE, Kind.CRASH
                 result.reason = f"{gap}: the session and the other models are intact; report it to onnxruntime"
             else:
@@ -227,24 +227,10 @@ class GraphCheck:
         result.reason = f"call {call} from {source}: {worst.detail or worst.kind}" + (
             f", max |Δ| {worst.max_abs:.3g}" if worst.kind == Kind.MISMATCH else "")
         if worst.kind in (Kind.MISMATCH, Kind.OUTPUTS):
-            self._explain(leaves[worst.index], references[worst.index], values=worst.kind == Kind.MISMATCH)
-        self._repro(leaves[worst.index])
+            self.diagnosis.explain(self.shapes, self.program, self.layout, leaves[worst.index], references[worst.index],
+                                   values=worst.kind == Kind.MISMATCH)
+        self.diagnosis.repro(self.shapes, leaves[worst.index])
         raise GraphEnded
-
-    def _explain(self, leaves: list[Any], expected: Sequence[Any], values: bool) -> None:
-        """Why the graph's outputs on ``leaves`` differ from ``expected`` (eager as the tests ran
-        it), added to the reason: an export patch under which eager no longer gives them (the
-        graph, traced under it, follows the patched model), else for differing ``values`` the
-        node they come from (:meth:`_localize`)."""
-        context = self.context
-        patch = context.quiet(lambda: context.patches.changing_outputs(
-            context.eager(self.shapes), leaves, expected, context.tolerance))
-        if patch:
-            self.result.reason += (f": the export patch {patch} changes what the model computes here (eager under "
-                                   "it differs from eager as the tests ran it), and the graph, traced under it, "
-                                   "follows the patched model")
-        elif values:
-            self._localize(leaves, expected)
 
     def _evaluator_failed(self, error: str) -> bool:
         """Whether onnx's reference evaluator, standing in for onnxruntime, raised (``error``) on a
@@ -329,8 +315,9 @@ class GraphCheck:
             result.reason = f"fails at {sizes}{f' in {line}' if line else ''}: {variation.detail}"
             if variation.max_abs is not None:  # a mismatch, not an error of the graph
                 leaves = variation.failing_leaves
-                self._explain(leaves, context.eager(self.shapes)(detached_clone(leaves)), values=True)
-            self._repro(variation.failing_leaves)
+                expected = context.eager(self.shapes)(detached_clone(leaves))
+                self.diagnosis.explain(self.shapes, self.program, self.layout, leaves, expected, values=True)
+            self.diagnosis.repro(self.shapes, variation.failing_leaves)
         return variation
 
     def _exploration_settings(self) -> dict[str, Any]:
@@ -340,40 +327,6 @@ class GraphCheck:
                 "atol": context.tolerance.atol, "rtol": context.tolerance.rtol, "shapes": self.shapes.to_json(),
                 "asserted": [str(condition) for condition in self.asserted]}
 
-    def _localize(self, leaves: list[Any], expected: Sequence[Any]) -> None:
-        """Name the node a mismatch of the ONNX graph on ``leaves`` comes from (see
-        :mod:`.explore.localize`; a graph from the export cache is traced again for it): one line added to
-        the reason, the nodes kept for the reports.  Never the verdict."""
-        context, result = self.context, self.result
-        if context.settings.target != Target.ONNX or not result.onnx_path:
-            return
-        begin = time.perf_counter()
-
-        def traced() -> torch.export.ExportedProgram:
-            if self.program is not None:
-                return self.program
-            return traced_program(context.module, self.shapes, context.method, context.patches)
-
-        found = context.quiet(lambda: localize_call(traced, result.onnx_path, leaves, context.tolerance,
-                                                    Runtime(result.runtime), expected))
-        result.timings["localize"] = time.perf_counter() - begin
-        result.localization, result.reason = found.to_json(), f"{result.reason}; {found.summary()}"
-
-    def _repro(self, leaves: list[Any]) -> None:
-        """Write the self-contained repro of a failure; a failure to write it is only a note."""
-        result, context = self.result, self.context
-        try:
-            repro = write_repro(
-                self.directory / "repro", context.module, self.shapes, leaves, stage=result.stage,
-                target=context.settings.target, method=context.method,
-                atol=context.tolerance.atol, rtol=context.tolerance.rtol,
-            )
-        except Exception as e:  # a repro is a convenience: never let it hide the verdict
-            result.notes.append(f"no repro written: {type(e).__name__}: {e}")
-            return
-        result.repro_path = repro.path
-        if repro.note:
-            result.notes.append(repro.note)
 
 
 def _float_dtype(module: torch.nn.Module) -> torch.dtype | None:

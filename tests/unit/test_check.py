@@ -308,8 +308,8 @@ def test_a_line_that_pins_every_size_stops_the_retraces_and_a_rerun_fails_alike_
     line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
                 if "for index in range(x.shape[1]):" in text)
     assert (first.verdict, first.stage, first.kind) == ("failed", "torch.export", "specialized")
-    assert first.reason == ("seq (x.1, the tests vary it) specialized to 5 by torch.export at "
-                            f"tests/unit/test_check.py:{line}: for index in range(x.shape[1]):  # one step per position")
+    assert first.reason == ("seq (x.1, the tests vary it) specialized to 5 by torch.export at tests/unit/"
+                            f"test_check.py:{line}: for index in range(x.shape[1]):  # one step per position")
     assert [size[1] for size in first_sizes] == [5, 5, 7]
     assert rerun_sizes == []
     assert (again.verdict, again.stage, again.kind, again.reason, again.dims, again.cache_hit) == (
@@ -371,6 +371,24 @@ def test_an_export_directory_copied_elsewhere_serves_its_graphs(tmp_path: Path) 
     again = check_model(group, settings(tmp_path / "restored"))
     assert (first.cache_hit, again.cache_hit, again.verdict) == (False, True, "passed")
     assert not {"torch.export", "decompose", "onnx-translate"} & set(again.timings)
+
+
+def test_a_rerun_in_place_takes_its_graph_files_as_hashed_and_a_copy_is_hashed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph file with the size and modification time it had when its entry was stored is not
+    read to be hashed again (timm's 46 files, 792 MB, on every rerun); a copy with new times is."""
+    from pytest_exportobs.core import files
+
+    group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
+    check_model(group, settings(tmp_path / "first"))
+    shutil.copytree(tmp_path / "first", tmp_path / "restored", copy_function=shutil.copyfile)
+    hashed: list[Path] = []
+    digest = files.file_digest
+    monkeypatch.setattr(files, "file_digest", lambda path: hashed.append(Path(path)) or digest(path))
+    in_place = check_model(group, settings(tmp_path / "first"))
+    assert (in_place.cache_hit, hashed) == (True, [])
+    restored = check_model(group, settings(tmp_path / "restored"))
+    assert restored.cache_hit and [path.parent.name for path in hashed] == ["cache"]
 
 
 class BatchesSeen(MLP):
@@ -841,6 +859,65 @@ def test_rows_of_padded_queries_are_compared_as_attention_reads_them() -> None:
     classifier = torch.randn(2, 3)  # (batch, labels): no rows of queries
     found = compare([classifier + 0.7], [classifier], Tolerance(), padding=mask)
     assert (found.ok, found.n_beyond) == (False, 6)
+
+
+def test_outputs_a_decomposition_reorders_are_compared_by_name(tmp_path: Path) -> None:
+    """transformers' output recorder sets ``router_logits`` on the model's output before
+    ``hidden_states``; torch's decomposition (a ``torch.cond`` leaves the program to it) rebuilds
+    the output class in its fields' order, so the ONNX file's outputs come in another order than
+    the model's, which a note names: each is compared with the model's output of its name, on the
+    first run and on a rerun from the export cache (before: a shape mismatch at router_logits.0)."""
+    from dataclasses import dataclass
+
+    model_output = pytest.importorskip("transformers").utils.ModelOutput
+
+    @dataclass
+    class Routed(model_output):
+        last_hidden_state: torch.Tensor | None = None
+        hidden_states: tuple | None = None
+        router_logits: tuple | None = None
+
+    class Captured(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.router = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> Routed:
+            hidden = torch.cond(x.sum() > 0, lambda t: self.layer(t), lambda t: -self.layer(t), (x,))
+            out = Routed(last_hidden_state=hidden)
+            out["router_logits"] = (self.router(hidden).flatten(0, 1),)
+            out["hidden_states"] = (x, hidden)
+            return out
+
+    group = observed(Captured().eval(), (torch.randn(2, 5, 8),), (torch.randn(3, 4, 8),))
+    first = check_model(group, CheckSettings(export_dir=tmp_path, examples=3, hypothesis_seed=0))
+    again = check_model(group, CheckSettings(export_dir=tmp_path, examples=3, hypothesis_seed=0))
+    note = ("the ONNX file's outputs come in another order than the model's (torch's decomposition rebuilds its "
+            "output class in the order of its fields): last_hidden_state, hidden_states.0, hidden_states.1, "
+            "router_logits.0; each is compared with the model's output of its name")
+    assert (first.verdict, again.verdict, again.cache_hit) == ("passed", "passed", True), first.reason
+    assert note in first.notes and note in again.notes
+    assert first.dims == {"x": {"0": "batch", "1": "seq"}}
+    assert len(first.graphs[0].variations["examples"]) > 1
+
+
+def test_rows_of_padded_tokens_flattened_over_the_batch_are_read_nowhere() -> None:
+    """A mixture of experts' router logits, ``(batch * length, experts)``: the rows of padded
+    tokens are computed from queries that attend to nothing, and the load-balancing loss leaves
+    them out (Mixtral's ``test_load_balancing_loss``)."""
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    router_logits = torch.randn(10, 8)
+    garbage_at_padding = router_logits.clone()
+    garbage_at_padding[:2] += 0.7  # tokens 0 and 1 of the first sequence
+    found = compare([garbage_at_padding], [router_logits], Tolerance(), padding=mask)
+    assert (found.ok, found.n_padded, found.n_beyond) == (True, 16, 0)
+    wrong_real_token = router_logits.clone()
+    wrong_real_token[2, 0] += 0.7
+    found = compare([wrong_real_token], [router_logits], Tolerance(), padding=mask)
+    assert (found.ok, found.n_beyond, found.n_padded) == (False, 1, 0)
+    per_head = torch.randn(10, 5, 5)  # (batch * heads, queries, keys): not rows of tokens
+    found = compare([per_head + 0.7], [per_head], Tolerance(), padding=mask)
+    assert (found.ok, found.n_padded) == (False, 0)
 
 
 def test_a_model_resized_after_its_calls_is_verified_on_the_weights_the_calls_were_made_with(tmp_path: Path) -> None:

@@ -18,8 +18,8 @@ entry, keyed by what a model's check depends on that is known before it begins (
 calls' structure, the settings), holds what its next check is expected to take: the next run
 places its checks with it (see :mod:`..placement`), and no verdict depends on it.
 Verification always runs.  Code paths chosen by environment variables or global state are not
-part of the keys; the plugin's own code is (its source files' digest: an entry made by other code of
-the same version misses).
+part of the keys; the plugin's own code is (its source files' digest: an entry made by other code
+of the same version misses).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from torch.utils import _pytree
 
 from ...core.configuration import configuration_text
-from ...core.files import copy_atomic, file_digest, write_atomic
+from ...core.files import FileMark, copy_atomic, write_atomic
 from ...core.versions import package_versions
 from ...core.vocabulary import Kind, Stage
 from ...shapes.model import ShapeModel
@@ -48,8 +48,9 @@ from .domain import Refinement
 # with the weights held as inputs; 6: its weights compared with the module's as they are
 # written, no digest of them; 7: the graph file known by the digest of its content, which a
 # cache copied or restored in CI keeps, not by its inode and modification time; 8: failed exports
-# kept, the plugin's code in every key)
-ENTRY_FORMAT = 8
+# kept, the plugin's code in every key; 9: the graph file's size and time beside its digest, the
+# order of a graph's outputs)
+ENTRY_FORMAT = 9
 
 
 @dataclass
@@ -86,13 +87,15 @@ class TraceEntry:
 class GraphEntry:
     """What the translation of a traced program left besides its files: notes of the
     decomposition and translation, opset and op counts of the file, the initializers that are the
-    module's state (``weight_names``) and the axis names given to its symbolic dims."""
+    module's state (``weight_names``), the axis names given to its symbolic dims and the order of
+    its outputs (see :attr:`~.outcome.ExportOutcome.output_order`)."""
 
     opset: int | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     weight_names: list[str] = field(default_factory=list)
     axis_names: dict[str, str] = field(default_factory=dict)
+    output_order: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -228,11 +231,12 @@ class ExportCache:
 
     def load_graph(self, key: str) -> GraphHit | None:
         """The graph entry when its metadata describes the file there (the content the entry
-        was stored with, wherever the directory was copied since); else ``None``."""
+        was stored with, wherever the directory was copied since: see :class:`FileMark`); else
+        ``None``."""
         path = self._graph_file(key)
         try:
             meta = json.loads((self.directory / f"graph-{key}.json").read_text())
-            if meta.pop("file") != file_digest(path):
+            if not FileMark(**meta.pop("file")).describes(path):
                 return None
             return GraphHit(GraphEntry(**meta), path)
         except (OSError, ValueError, KeyError, TypeError):
@@ -242,7 +246,7 @@ class ExportCache:
         """Add the file under ``key``, the metadata last (atomically: a concurrent reader sees
         a whole entry or none; a process storing the same key meanwhile leaves a file the
         metadata does not describe, a miss)."""
-        meta = asdict(entry) | {"file": copy_atomic(path, self._graph_file(key))}
+        meta = asdict(entry) | {"file": asdict(copy_atomic(path, self._graph_file(key)))}
         write_atomic(self.directory / f"graph-{key}.json", json.dumps(meta))
 
     def _graph_file(self, key: str) -> Path:

@@ -44,6 +44,8 @@ class ExportOutcome(ExportFiles):
     refinements: list[Refinement] = field(default_factory=list)  # what the export established
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
     trace_key: str = ""  # the export cache's key of the trace ("" without a cache)
+    # for each output of the ONNX file, the index of the traced program's output it is (empty: the same order)
+    output_order: list[int] = field(default_factory=list)
 
 
 class StageFailed(Exception):

@@ -22,6 +22,7 @@ from ...compat.torch_private import (
     import_export_machinery,
     onnx_decompositions,
     onnx_registry,
+    output_order,
     register_translations,
 )
 from ...core.text import error_line
@@ -250,13 +251,15 @@ def _to_onnx(
         prepared = decompose(program, outcome.notes)
     with stages.run(Stage.ONNX_TRANSLATE):
         onnx_program = translate(prepared, outcome.notes, traced=program)
+        _reordered(outcome, output_order(program, onnx_program.exported_program))
         finish(onnx_program, names, path, set(state))
         weight_names = sorted(name for name in onnx_program.model.graph.initializers if name in state)
     with stages.run(Stage.ONNX_CHECKER):
         check_onnx(path, outcome)
     outcome.onnx_path = str(path)
     if cache is not None:
-        entry = GraphEntry(outcome.opset, outcome.op_counts, outcome.notes[first_note:], weight_names, names)
+        entry = GraphEntry(outcome.opset, outcome.op_counts, outcome.notes[first_note:], weight_names, names,
+                           outcome.output_order)
         _keep(outcome, cache, lambda: cache.store_graph(key, path, entry))
     return key
 
@@ -279,8 +282,21 @@ def _place(hit: GraphHit, state: dict[str, torch.Tensor], path: Path, outcome: E
         outcome.timings[Stage.ONNX_TRANSLATE] = time.perf_counter() - begin
         outcome.notes.append("the weights differ from those of the cached graph: applied to it by name")
     outcome.opset, outcome.op_counts, outcome.onnx_path = entry.opset, entry.op_counts, str(path)
+    outcome.output_order = entry.output_order
     outcome.notes.extend(note for note in entry.notes if note not in outcome.notes)
     return True
+
+
+def _reordered(outcome: ExportOutcome, order: list[int]) -> None:
+    """Keep the order of the ONNX file's outputs when it is not the traced program's, with a
+    note naming them as the file has them."""
+    if order == sorted(order):
+        return
+    outcome.output_order = order
+    outcome.notes.append(
+        "the ONNX file's outputs come in another order than the model's (torch's decomposition rebuilds its "
+        f"output class in the order of its fields): {', '.join(outcome.outputs[i] for i in order)}; each is compared "
+        "with the model's output of its name")
 
 
 def _onnx_dims(shapes: ShapeModel, path: Path, outcome: ExportOutcome) -> dict[str, dict[str, str]]:

@@ -122,12 +122,18 @@ def _unread_positions(ref: torch.Tensor, padding: torch.Tensor | None) -> torch.
     """Where an output holds values no consumer reads, given the call's mask ``padding``
     ``(batch, length)``: cache entries ``(batch, heads, length, head_dim)`` at padded positions
     (attention never reads them), and rows ``(batch, queries, ...)`` of padded queries, per-token
-    scores ``(batch, length)`` included; queries after a cache are the mask's last positions.
-    With left padding under causal attention such a query attends to nothing: its values are
-    arbitrary in eager and ONNX alike.  ``None`` when the output has no such layout."""
-    if padding is None or padding.dim() != 2 or ref.dim() < 2 or ref.shape[0] != padding.shape[0]:
+    scores ``(batch, length)`` included, and the rows of per-token values flattened over the batch
+    ``(batch * length, features)`` (a mixture of experts' router logits); queries after a cache
+    are the mask's last positions.  With left padding under causal attention such a query attends
+    to nothing: its values are arbitrary in eager and ONNX alike.  ``None`` when the output has no
+    such layout."""
+    if padding is None or padding.dim() != 2 or ref.dim() < 2:
         return None
     padded = padding == 0
+    if ref.dim() == 2 and ref.shape[0] == padded.numel() != padded.shape[0]:
+        return padded.reshape(-1, 1).expand(ref.shape)
+    if ref.shape[0] != padding.shape[0]:
+        return None
     if ref.dim() == 4 and ref.shape[2] == padding.shape[1]:
         return padded[:, None, :, None].expand(ref.shape)
     queries = ref.shape[1]
@@ -183,16 +189,24 @@ class OutputLayout:
     mask_leaves: tuple[int, ...] = ()
     decoder_mask_leaf: int | None = None  # an encoder-decoder's decoder_attention_mask
     labels_leaf: int | None = None
+    order: tuple[int, ...] = ()  # for each output of the graph, the model's output it is (empty: the same order)
 
     @classmethod
-    def of(cls, outputs: Sequence[str], leaf_names: Sequence[str]) -> OutputLayout:
-        """The layout of a graph of these outputs taking these input leaves."""
+    def of(cls, outputs: Sequence[str], leaf_names: Sequence[str], order: Sequence[int] = ()) -> OutputLayout:
+        """The layout of a graph taking these input leaves, whose outputs are the model's
+        ``outputs`` (named in the model's order) in the graph's ``order``."""
         names = list(leaf_names)
         mask = next((names.index(n) for n in ("attention_mask", "decoder_attention_mask") if n in names), None)
         decoder = names.index("decoder_attention_mask") if "decoder_attention_mask" in names else None
         masks = tuple(i for i, n in enumerate(names) if n.endswith("attention_mask"))
         labels = names.index("labels") if "labels" in names else None
-        return cls(tuple(outputs), mask, masks, decoder if decoder != mask else None, labels)
+        graph_names = tuple(outputs[i] for i in order) if order else tuple(outputs)
+        return cls(graph_names, mask, masks, decoder if decoder != mask else None, labels, tuple(order))
+
+    def in_graph_order(self, expected: Sequence[Any]) -> list[Any]:
+        """The model's tensor outputs ``expected`` (its flat outputs) in the graph's order."""
+        tensors = [t for t in expected if isinstance(t, torch.Tensor)]
+        return [tensors[i] for i in self.order] if len(self.order) == len(tensors) else tensors
 
     def padding(self, leaves: Sequence[Any]) -> torch.Tensor | None:
         return leaves[self.mask_leaf] if self.mask_leaf is not None else None
@@ -259,5 +273,5 @@ def run_and_compare(
     except Exception as e:
         return Discrepancy(index, False, Kind.ERROR, math.inf, math.inf, detail=error_line(e))
     layout = outputs or OutputLayout()
-    return compare(actual, reference, tolerance, index, layout.names, layout.padding(leaves), layout.empty_rows(leaves),
-                   layout.decoder_padding(leaves), layout.unread_outputs(leaves))
+    return compare(actual, layout.in_graph_order(reference), tolerance, index, layout.names, layout.padding(leaves),
+                   layout.empty_rows(leaves), layout.decoder_padding(leaves), layout.unread_outputs(leaves))
