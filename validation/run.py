@@ -220,9 +220,8 @@ def compatibility_page(paths: list[Path]) -> str:
     intro = ("# Compatibility: real suites\n\nGenerated from `validation/results/*.json` (what "
              "`python validation/run.py` wrote to `summary.json`; see [the validation guide](validation.md)). "
              "Each section is one project's own model tests, run once without the plugin and once with every "
-             "model observed, no test edited; \"with it\" is the run the table's verdicts come from "
-             "(llama: a first run; gpt2 and timm: a rerun on the first run's export cache; what each costs is in "
-             "[Benchmarks](benchmarks.md)).\n")
+             "model observed, no test edited; \"with it\" is the run the table's verdicts come from, a first "
+             "run on a fresh export directory (what a rerun on its cache costs is in [Benchmarks](benchmarks.md)).\n")
     return "\n".join([intro, *(table(result) for path in sorted(paths) for result in load_summary(path))])
 
 

@@ -97,7 +97,8 @@ def test_a_rerun_on_the_export_cache_gives_the_first_runs_verdicts_without_expor
     suite: pytest.Pytester, workers: list[str],
 ) -> None:
     """The same suite twice on one export directory: the same outcomes and dims, every graph
-    from the cache, the variations each graph passed not explored again."""
+    from the cache, the variations each graph passed not explored again, the failing export
+    reported as it failed without tracing."""
     args = ("--export-check", "--export-examples=3", "--junitxml=junit.xml", "--export-report=report.json",
             "-p", "no:cacheprovider", *workers)
     reports = []
@@ -113,6 +114,10 @@ def test_a_rerun_on_the_export_cache_gives_the_first_runs_verdicts_without_expor
         assert graph["variations"] == first[name]["graphs"][0]["variations"]
         assert any(note.startswith("variations: as explored on an earlier run") for note in graph["notes"])
     assert rerun["Branchy"]["reason"] == first["Branchy"]["reason"]
+    (failed,) = rerun["Branchy"]["graphs"]
+    assert (failed["verdict"], failed["stage"], failed["cache_hit"]) == ("failed", "torch.export", True)
+    assert "torch.export" not in failed["timings"] and failed["notes"][-1].startswith(
+        "export cache hit: this trace failed at torch.export on an earlier run")
 
 
 def test_exit_code_zero_when_every_model_passes(pytester: pytest.Pytester) -> None:
