@@ -179,11 +179,13 @@ class ShapeModel:
         """The flat leaves of call ``index``.  An absent input is sized like the call's other
         inputs (a cache absent at prefill gets the prefill's batch); with meaningful stand-ins
         its value is what its absence means (see :mod:`.standins`), else an empty tensor with 0
-        on its missing dimension when that dimension is dynamic (zeros otherwise)."""
+        on its missing dimension when that dimension is dynamic (zeros otherwise).  A leaf no call
+        holds a tensor for stays ``None`` (Jamba's ``attention_mask["linear_attention"]``): nothing
+        gives a stand-in its shape."""
         leaves = list(self.aligned.calls[index])
         sizes = self.sizes_at(index)
         for leaf, value in enumerate(leaves):
-            if value is not None:
+            if value is not None or not self.aligned.is_tensor_leaf(leaf):
                 continue
             kind = stand_in_kind(self.aligned, self.aligned.leaf_slot(leaf)) if self.meaningful_stand_ins else None
             if kind is None and leaf not in self.aligned.missing_dims:

@@ -901,6 +901,27 @@ def test_outputs_a_decomposition_reorders_are_compared_by_name(tmp_path: Path) -
     assert len(first.graphs[0].variations["examples"]) > 1
 
 
+class MaskPerLayerKind(torch.nn.Module):
+    """Called as Jamba's tests call it: one mask per kind of layer, the linear layers' ``None``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, attention_mask: dict[str, torch.Tensor | None]) -> torch.Tensor:
+        return self.proj(x) * attention_mask["full_attention"][..., None]
+
+
+def test_a_mask_no_call_holds_is_left_absent(tmp_path: Path) -> None:
+    """An attention mask entry ``None`` in every call has no shape to stand in for: the calls
+    keep it absent (before: an internal error, StopIteration, computing the probe's key)."""
+    calls = [(torch.randn(b, s, 4), {"full_attention": torch.ones(b, s), "linear_attention": None})
+             for b, s in ((2, 5), (3, 6))]
+    result = check_model(observed(MaskPerLayerKind().eval(), *calls), settings(tmp_path))
+    assert (result.verdict, result.stage) == ("passed", "verify"), result.reason
+    assert result.dims == {"attention_mask.full_attention": {"0": "batch", "1": "seq"}, "x": {"0": "batch", "1": "seq"}}
+
+
 def test_rows_of_padded_tokens_flattened_over_the_batch_are_read_nowhere() -> None:
     """A mixture of experts' router logits, ``(batch * length, experts)``: the rows of padded
     tokens are computed from queries that attend to nothing, and the load-balancing loss leaves
