@@ -812,6 +812,23 @@ def test_differences_are_rounding_below_the_scale_of_their_output() -> None:
     assert not compare([rounded], [reference], Tolerance(atol=0.0, rtol=0.0)).ok
 
 
+def test_one_unit_in_the_last_place_of_a_half_precision_output_is_rounding() -> None:
+    """bfloat16 keys of magnitude 2 to 4 after a rotation: where eager and ONNX round one product
+    apart, a value near 0 is off by 0.0156, one bfloat16 unit at that magnitude (DeepSeek-V3's
+    bf16 tests); two units are not rounding, nor is one unit with ``rtol`` 0."""
+    keys = torch.tensor([[3.5, -2.25, 0.0078125, 1.0]], dtype=torch.bfloat16)
+    one_unit = keys.clone()
+    one_unit[0, 2] += 0.015625
+    assert compare([one_unit], [keys], Tolerance()).ok
+    two_units = keys.clone()
+    two_units[0, 2] += 0.03125
+    found = compare([two_units], [keys], Tolerance())
+    assert (found.ok, found.n_beyond) == (False, 1)
+    assert not compare([one_unit], [keys], Tolerance(atol=0.01, rtol=0.0)).ok
+    fp32 = keys.float()
+    assert not compare([fp32 + torch.tensor([[0.0, 0.0, 0.015625, 0.0]])], [fp32], Tolerance()).ok
+
+
 def test_a_model_of_huge_weights_passes_where_its_outputs_cancel(tmp_path: Path) -> None:
     model = HugeConv().eval()  # weights of 1e11, as uninitialized memory holds
     group = observed(model, (torch.randn(3, 35, 16),), (torch.randn(5, 20, 16),))

@@ -24,14 +24,17 @@ DEFAULT_TOLERANCES = {
 # An output's values carry the rounding of the largest terms that made them: a value that sums
 # terms of 1e11 (weights holding uninitialized memory) and cancels to 1e3 is off by ~1e5 in any
 # other summation order.  Differences below this fraction of ``rtol`` times the output's largest
-# magnitude are rounding; for outputs of ordinary scale (float32 below 10) ``atol`` is larger.
+# magnitude are rounding; for outputs of ordinary scale (float32 below 10) ``atol`` is larger.  So
+# is one unit in the last place of that magnitude, which in bfloat16 is larger still (0.0156 for
+# values of 2 to 4: DeepSeek-V3's rotated keys, where eager and ONNX round a product apart).
 SCALE_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """``|Δ| <= max(atol, SCALE_FRACTION * rtol * max|ref|) + rtol * |ref|`` per element, ``max|ref|``
-    over the element's output; ``None`` takes the dtype's default (fp64 1e-7, fp32 1e-4,
+    """``|Δ| <= max(atol, SCALE_FRACTION * rtol * max|ref|, ulp(max|ref|)) + rtol * |ref|`` per
+    element, ``max|ref|`` over the element's output, ``ulp`` one unit in its dtype's last place
+    (with ``rtol`` 0, ``|Δ| <= atol``); ``None`` takes the dtype's default (fp64 1e-7, fp32 1e-4,
     fp16/bf16 1e-2, integers and bool exact)."""
 
     atol: float | None = None
@@ -161,7 +164,8 @@ def _accumulate(
     delta = torch.where(torch.isnan(delta) & ~torch.isnan(ref64), torch.full_like(delta, math.inf), delta)
     delta = torch.nan_to_num(delta, nan=0.0)  # NaN in both: equal
     scale = float(torch.nan_to_num(ref64.abs(), nan=0.0, posinf=0.0).max())
-    beyond = delta > max(atol, SCALE_FRACTION * rtol * scale) + rtol * ref64.abs()
+    rounding = max(SCALE_FRACTION * rtol * scale, _last_place(scale, ref.dtype)) if rtol else 0.0
+    beyond = delta > max(atol, rounding) + rtol * ref64.abs()
     if padded is not None and bool((beyond & padded).any()):
         result.n_padded += int((beyond & padded).sum())
         result.padded_max_abs = max(result.padded_max_abs, float(delta[beyond & padded].max()))
@@ -175,6 +179,13 @@ def _accumulate(
     buckets = torch.bucketize(delta, torch.tensor(HISTOGRAM_EDGES, dtype=torch.float64))
     for bucket, count in enumerate(torch.bincount(buckets.flatten(), minlength=len(HISTOGRAM_EDGES) + 1)):
         result.histogram[bucket] += int(count)
+
+
+def _last_place(magnitude: float, dtype: torch.dtype) -> float:
+    """One unit in the last place of ``magnitude`` in ``dtype`` (0 for integers and bool)."""
+    if not dtype.is_floating_point or not 0 < magnitude < math.inf:
+        return 0.0
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude))
 
 
 @dataclass(frozen=True)
