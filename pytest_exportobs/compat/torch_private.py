@@ -227,27 +227,28 @@ def taken_as_traced(prepared: torch.export.ExportedProgram) -> bool:
 
 def output_order(traced: torch.export.ExportedProgram, translated: torch.export.ExportedProgram) -> list[int]:
     """For each output of the ``translated`` program (the ONNX graph's, in order), the index of
-    the ``traced`` program's output it is.  A program torch decomposed was traced again through
-    its module, whose outputs are rebuilt from the out spec and flattened again: a model output
-    whose keys were set out of its fields' order (transformers' captured ``router_logits`` before
-    ``hidden_states``) comes out in its fields' order, while the out spec keeps the first one
-    (torch 2.13, 2.15).  The order is taken only when the graphs' output values agree with it."""
+    the ``traced`` program's output it is; ``[]`` when they come in the same order.  A program
+    torch decomposed was traced again through its module, whose outputs are rebuilt from the out
+    spec and flattened again: a model output whose keys were set out of its fields' order
+    (transformers' captured ``router_logits`` before ``hidden_states``) comes out in its fields'
+    order, while the out spec keeps the first one (torch 2.13, 2.15).  The order is taken only
+    when the graphs' output values agree with it."""
     values = [_output_values(traced), _output_values(translated)]
-    identity = list(range(len(values[0])))
-    if taken_as_traced(translated) or len(values[1]) != len(identity):
-        return identity
+    if taken_as_traced(translated) or len(values[1]) != len(values[0]):
+        return []
     try:
         rebuilt = pytree.tree_leaves(pytree.tree_unflatten(values[0], traced.call_spec.out_spec))
     except Exception:  # a class whose unflattening needs more than its values: torch's retrace would fail alike
-        return identity
+        return []
     positions: dict[int, list[int]] = {}  # one value may be several outputs (the last hidden state twice)
     for index, value in enumerate(values[0]):
         positions.setdefault(id(value), []).append(index)
     order = [positions[id(value)].pop(0) if positions.get(id(value)) else -1 for value in rebuilt]
-    if sorted(order) != identity or order == identity:
-        return identity
+    identity = list(range(len(order)))
+    if order == identity or sorted(order) != identity:  # the same order, or not a permutation
+        return []
     described = [[(str(getattr(v, "dtype", "")), str(getattr(v, "shape", v))) for v in vs] for vs in values]
-    return order if described[1] == [described[0][i] for i in order] else identity
+    return order if described[1] == [described[0][i] for i in order] else []
 
 
 def _output_values(program: torch.export.ExportedProgram) -> list[Any]:

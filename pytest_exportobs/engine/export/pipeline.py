@@ -288,9 +288,9 @@ def _place(hit: GraphHit, state: dict[str, torch.Tensor], path: Path, outcome: E
 
 
 def _reordered(outcome: ExportOutcome, order: list[int]) -> None:
-    """Keep the order of the ONNX file's outputs when it is not the traced program's, with a
-    note naming them as the file has them."""
-    if order == sorted(order):
+    """Keep the order of the ONNX file's outputs when it is not the traced program's (``order``
+    not empty), with a note naming them as the file has them."""
+    if not order:
         return
     outcome.output_order = order
     outcome.notes.append(
@@ -341,9 +341,8 @@ def _load_traced(
     if not _place(hit, state, path, outcome):
         outcome.notes = notes
         return False
-    outcome.stage, outcome.cache_hit = Stage.ONNX_CHECKER, True
-    outcome.refinements, outcome.outputs, outcome.dims_form = entry.refinements, entry.outputs, entry.dims_form
-    outcome.shapes, _ = apply_refinements(shapes, entry.refinements)
+    outcome.stage = Stage.ONNX_CHECKER
+    _restore(entry, shapes, outcome)
     outcome.notes.append("export cache hit: torch.export and translation skipped")
     outcome.dims = _onnx_dims(outcome.shapes, path, outcome)
     return True
@@ -351,13 +350,20 @@ def _load_traced(
 
 def _failed_as_before(entry: TraceEntry, failure: ExportFailure, shapes: ShapeModel, outcome: ExportOutcome) -> None:
     """The outcome of an export that failed on an earlier run of the same trace."""
-    outcome.ok, outcome.cache_hit = False, True
+    outcome.ok = False
     outcome.stage, outcome.kind, outcome.error_type = failure.stage, failure.kind, failure.error_type
     outcome.reason, outcome.traceback = failure.reason, failure.traceback
-    outcome.refinements, outcome.outputs, outcome.dims_form = entry.refinements, entry.outputs, entry.dims_form
-    outcome.shapes, _ = apply_refinements(shapes, entry.refinements)
+    _restore(entry, shapes, outcome)
     outcome.notes = [*entry.notes, f"export cache hit: this trace failed at {failure.stage} on an earlier run with "
                                    "nothing it depends on changed since, not exported again"]
+
+
+def _restore(entry: TraceEntry, shapes: ShapeModel, outcome: ExportOutcome) -> None:
+    """What the trace of ``entry`` established, into ``outcome``: the refinements of ``shapes``,
+    the outputs' names and how torch was given the dims (a cache hit)."""
+    outcome.cache_hit = True
+    outcome.refinements, outcome.outputs, outcome.dims_form = entry.refinements, entry.outputs, entry.dims_form
+    outcome.shapes, _ = apply_refinements(shapes, entry.refinements)
 
 
 def prepare(target: Target, translating: bool = True) -> None:
