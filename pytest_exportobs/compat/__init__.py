@@ -4,6 +4,7 @@
   decompositions, torch.export's user error, fake tensors);
 * :mod:`.torch_text`: parsers of the text torch writes (its error messages, the records of its
   symbolic-shapes logger);
+* :mod:`.onnxscript_private`: the rewrite rules of onnxscript's optimizer;
 * :mod:`.onnxruntime_text`: parsers of onnxruntime's errors (a missing kernel);
 * :mod:`.export_patches`: patches of torch and transformers internals around ``torch.export``;
 * :mod:`.transformers_hooks`: transformers' own forward hooks, set aside while a model is pickled;

@@ -4,10 +4,12 @@ by name, before it fails a model's check somewhere else."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,11 @@ import onnx
 import pytest
 import sympy
 import torch
+from torch.utils._traceback import CapturedTraceback
 
 from pytest_exportobs.compat.hypothesis_private import collect_local_constants
 from pytest_exportobs.compat.onnxruntime_text import failing_node, kernel_lacked, lacks_kernel
+from pytest_exportobs.compat.onnxscript_private import rules_tried_by_root_op
 from pytest_exportobs.compat.torch_private import (
     DEFERRED_ASSERTS,
     ExportUserError,
@@ -87,6 +91,42 @@ def test_the_exporters_two_steps_and_axis_renaming_make_a_valid_onnx_model() -> 
     (graph_input,) = proto.graph.input
     assert [d.dim_param or d.dim_value for d in graph_input.type.tensor_type.shape.dim] == ["batch_size", 4]
     assert onnx_registry() is onnx_registry()  # built once per process
+
+
+class Reshaping(torch.nn.Module):
+    """Ops onnxscript's rewrite rules merge: two unsqueezes, two reshapes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x.unsqueeze(0).unsqueeze(0).reshape(-1, 4).reshape(-1, 12), dim=-1)
+
+
+def test_rules_tried_by_their_root_op_rewrite_the_same_graph_with_fewer_tries(monkeypatch: pytest.MonkeyPatch) -> None:
+    from onnxscript.rewriter._rewrite_rule import RewriteRule
+
+    tries = Counter[str]()
+    try_rewrite = RewriteRule.try_rewrite
+
+    def counted(rule: RewriteRule, *args: Any, **kwargs: Any) -> Any:
+        tries[tries["mode"]] += 1
+        return try_rewrite(rule, *args, **kwargs)
+
+    monkeypatch.setattr(RewriteRule, "try_rewrite", counted)
+    program = torch.export.export(Reshaping(), (torch.randn(2, 3, 4),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch")},))
+    translated = to_onnx_program(prepare_for_onnx(program))
+    ops = Counter(node.op_type for node in translated.model.graph)
+    optimized = {}
+    for mode in ("every rule", "by root op"):
+        onnx_program = to_onnx_program(prepare_for_onnx(program))
+        tries["mode"] = mode  # type: ignore[assignment]
+        with rules_tried_by_root_op() if mode == "by root op" else contextlib.nullcontext():
+            onnx_program.optimize()
+        optimized[mode] = onnx_program.model_proto.SerializeToString()
+    assert RewriteRule.try_rewrite is counted
+    assert optimized["by root op"] == optimized["every rule"]
+    rewritten = Counter(node.op_type for node in onnx.load_from_string(optimized["every rule"]).graph.node)
+    assert rewritten["Reshape"] < ops["Reshape"] and rewritten["Unsqueeze"] < ops["Unsqueeze"]  # rules applied
+    assert 0 < tries["by root op"] < tries["every rule"] / 5
 
 
 class Promoting(torch.nn.Module):
@@ -182,6 +222,17 @@ class Attending(torch.nn.Module):
         return (scores @ keys).reshape(x.shape[0], -1)
 
 
+class Outer(torch.nn.Module):
+    """:class:`Attending` called from another module: a stack of two ``forward`` frames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Attending()
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return self.inner(x, memory).relu()
+
+
 def _fake_dispatches() -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -189,7 +240,7 @@ def _fake_dispatches() -> int:
     return info.hits + info.misses
 
 
-def test_lean_tracing_traces_the_same_program_without_the_dispatch_cache_or_pytests_handlers() -> None:
+def test_lean_tracing_traces_the_same_program_without_dispatch_cache_pytests_handlers_or_symbolized_stacks() -> None:
     trace_log = logging.getLogger("torch.__trace")
     pytests = {h for h in trace_log.handlers if type(h).__module__ == "_pytest.logging"}
     assert pytests, "pytest's logging plugin attaches its handlers to torch's structured trace"
@@ -200,7 +251,7 @@ def test_lean_tracing_traces_the_same_program_without_the_dispatch_cache_or_pyte
     dims = ({0: batch, 1: seq}, {0: batch, 1: past})
 
     def traced() -> torch.export.ExportedProgram:
-        return torch.export.export(Attending(), example, dynamic_shapes=dims)
+        return torch.export.export(Outer(), example, dynamic_shapes=dims)
 
     try:
         cached, before = traced(), _fake_dispatches()
@@ -210,11 +261,15 @@ def test_lean_tracing_traces_the_same_program_without_the_dispatch_cache_or_pyte
             assert _fake_dispatches() == before  # no fake dispatch went through the cache
         assert set(trace_log.handlers) >= pytests | {own}
         assert torch._dynamo.config.fake_tensor_cache_enabled
+        assert torch.fx.proxy.CapturedTraceback is CapturedTraceback
     finally:
         trace_log.removeHandler(own)
     assert lean.graph_module.print_readable(print_output=False) == cached.graph_module.print_readable(
         print_output=False)
     assert str(lean.range_constraints) == str(cached.range_constraints)
+    traces = [node.meta.get("stack_trace") for node in lean.graph.nodes]
+    assert traces == [node.meta.get("stack_trace") for node in cached.graph.nodes]  # read, not symbolized
+    assert sum((trace or "").count("in forward\n") == 2 for trace in traces) >= 3  # Outer's, then Attending's
     assert lean.module()(torch.randn(3, 4, 8), torch.randn(3, 6, 8)).shape == (3, 4 * 8)
     before = _fake_dispatches()
     dispatches_cached(lean).run_decompositions()  # traced again on the trace's fake values

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ...compat.onnxscript_private import rules_tried_by_root_op
 from ...compat.torch_private import (
     guards_on_data,
     prepare_for_onnx,
@@ -122,7 +123,8 @@ def finish(onnx_program: Any, names: dict[str, str], path: Path, state: Collecti
     weights) held as inputs, name its symbolic axes, write it.  Held as inputs, the weights are
     not constants to the optimizer: none is folded into another initializer (a batch norm into
     its convolution, a weight transposed), so the file written serves any values of them applied
-    by name (onnxruntime folds them when it loads the file)."""
+    by name (onnxruntime folds them when it loads the file).  The optimizer's rewrite rules are
+    tried at the nodes their pattern can match only (:func:`rules_tried_by_root_op`)."""
     graph = onnx_program.model.graph
     weights = [value for name, value in list(graph.initializers.items()) if name in state]
     values = {value.name: value.const_value for value in weights}
@@ -130,7 +132,8 @@ def finish(onnx_program: Any, names: dict[str, str], path: Path, state: Collecti
         graph.initializers.pop(value.name)
         value.const_value = None
         graph.inputs.append(value)
-    onnx_program.optimize()
+    with rules_tried_by_root_op():
+        onnx_program.optimize()
     for value in weights:
         graph.inputs.remove(value)
         if value.uses() or value.is_graph_output():
