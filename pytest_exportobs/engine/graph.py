@@ -92,14 +92,12 @@ class GraphCheck:
         inputs the tests never varied, an image's sides): the graph serves the traced size only (a
         branch on the size traced once), those dims are kept static with a note naming the
         failing node's line, and the failure is withdrawn for another export."""
-        assert variation.failing_sizes is not None
-        traced = export_sizes(self.shapes)
-        guessed = [v.name for v in self.shapes.variables if v.source == DimSource.GUESS
-                   and variation.failing_sizes.get(v.name, traced.get(v.name)) != traced.get(v.name)]
+        guessed = self._guesses_moved(variation)
         if not guessed:
             return False
         line = failure_line(onnx_path, variation.detail)
-        sizes = ", ".join(f"{name}={variation.failing_sizes[name]}" for name in guessed)
+        failing = variation.failing_sizes or {}
+        sizes = ", ".join(f"{name}={failing[name]}" for name in guessed)
         self.result.notes.append(
             f"{', '.join(guessed)} kept static: the tests never varied them and the graph fails at {sizes} "
             f"({f'in {line}' if line else variation.detail}), where eager runs")
@@ -107,6 +105,12 @@ class GraphCheck:
             self.shapes = self.shapes.without(name)
         self.result.kind, self.result.reason, self.result.repro_path = None, "", ""
         return True
+
+    def _guesses_moved(self, variation: VariationOutcome) -> list[str]:
+        """The guessed dims whose sizes in a failing variation are not the traced ones."""
+        failing, traced = variation.failing_sizes or {}, export_sizes(self.shapes)
+        return [v.name for v in self.shapes.variables if v.source == DimSource.GUESS
+                and failing.get(v.name, traced.get(v.name)) != traced.get(v.name)]
 
     def serves(self, shapes: ShapeModel, calls: list[int]) -> bool:
         """Whether this graph reproduces the given calls of another plan (``shapes``: this
@@ -269,19 +273,23 @@ class GraphCheck:
     def _variations(self, runner: GraphRunner, trace_key: str) -> VariationOutcome:
         """Generated shapes: a failure is kind ``variation`` with the failing sizes nearest the
         traced ones.  Variations this trace passed on an earlier run with the same settings (the
-        export cache's exploration entry) are not explored again: what they depend on, the
-        model's code and configuration, the traced graph and the shape model, is the trace's key;
-        the weights' values are not (the recorded calls were verified with this run's)."""
+        export cache's exploration entry) are not explored again, nor those that failed on sizes
+        of guessed dims (which are then kept static, whatever the failure: no reason, no repro):
+        what they depend on, the model's code and configuration, the traced graph and the shape
+        model, is the trace's key; the weights' values are not (the recorded calls were verified
+        with this run's)."""
         context, result = self.context, self.result
         context.progress(Stage.VARIATIONS, self.plan.name)
         result.stage = Stage.VARIATIONS
         cache = self._cache()
         key = cache.exploration_key(trace_key, self._exploration_settings()) if cache and trace_key else ""
         earlier = VariationOutcome.from_json(cache.load_exploration(key)) if cache and key else None
-        if earlier is not None and not earlier.failed:
+        if earlier is not None and (not earlier.failed or self._guesses_moved(earlier)):
             result.variations = earlier.to_json()
-            result.notes.append(f"variations: as explored on an earlier run of this trace ({earlier.valid} "
-                                f"examples passed), not again (the export cache holds the outcome)")
+            what = "failing on sizes of dims the tests never varied" if earlier.failed else \
+                f"{earlier.valid} examples passed"
+            result.notes.append(f"variations: as explored on an earlier run of this trace ({what}), not again (the "
+                                "export cache holds the outcome)")
             return earlier
         begin = time.perf_counter()
         with writing(Stage.VARIATIONS, f"the hypothesis database in {self.directory}"):
@@ -296,7 +304,8 @@ class GraphCheck:
         ))
         result.timings["variations"] = time.perf_counter() - begin
         result.variations = variation.to_json()
-        if cache and key and not variation.failed:
+        guessed = bool(variation.failed and self._guesses_moved(variation))  # then kept static (see _stages)
+        if cache and key and (not variation.failed or guessed):
             with contextlib.suppress(OSError):  # an unwritable cache costs the next run its speed, noted by the export
                 cache.store_exploration(key, result.variations)
         if variation.tried and not variation.valid:
@@ -304,7 +313,7 @@ class GraphCheck:
                 f"variations: eager rejected all {variation.tried} generated examples: the model relates "
                 "sizes that the shape model keeps independent (e.g. mask = seq + a constant past)"
             )
-        if variation.failed and variation.max_abs is None and self._evaluator_failed(variation.detail):
+        if guessed or variation.failed and variation.max_abs is None and self._evaluator_failed(variation.detail):
             return variation
         if variation.failed:
             # find() returned the smallest failing example: its sizes and leaves are set

@@ -3,8 +3,8 @@
 Forked checks (``--export-jobs`` above 1, ``--export-isolate``) run side by side, the most
 expensive first: the last to end is then a short one, not a straggler.  A check the export cache
 is expected to serve (under :data:`IN_PROCESS_SECONDS`) of a model whose weights are small runs
-in the session's process instead, after the forked ones: a fork's start and the pages
-its child touches cost more than such a check (timm's 42 models, every graph served by the cache:
+in the session's process instead, beside the forked ones (on the cores they leave): a fork's
+start and the pages its child touches cost more than such a check (timm's 42 models, every graph served by the cache:
 13.6 s of checks one after the other in process, 27 s of forked checks two at a time).  A larger
 model's check stays forked: its ONNX file and runtime session (about three copies of its
 weights) stay out of the session's process, whose memory holds every kept model.
@@ -95,13 +95,14 @@ class Placement:
 
 def place(groups: list[ModelGroup], costs: CheckCosts, isolate: bool, jobs: int) -> Placement:
     """Forked with ``isolate``, or with ``jobs`` above 1 unless recorded cheap and small; in
-    process otherwise.  A batch of one check left to fork runs in process with every core."""
+    process otherwise.  A batch of one check, to fork and none to run in process beside it,
+    runs in process with every core."""
     if not isolate and jobs <= 1:
         return Placement([], groups)
     cheap = [] if isolate else [g for g in groups if _in_process(g, costs)]
     cheap_ids = {id(g) for g in cheap}
     forked = [g for g in groups if id(g) not in cheap_ids]
-    if not isolate and len(forked) == 1:
+    if not isolate and len(forked) == 1 and not cheap:
         return Placement([], groups)
     forked.sort(key=lambda g: _expense(g, costs), reverse=True)
     return Placement(forked, cheap)

@@ -68,9 +68,10 @@ def check_all(
 ) -> Iterator[ModelResult]:
     """Yield one result per group, in the order the checks end; ``progress`` receives one line
     per model and stage.  With ``isolate`` or ``jobs`` > 1 checks run in forked children,
-    ``jobs`` of them at once, the most expensive first, then the checks the export cache is
-    expected to serve in process (see :mod:`.placement`).  A check in process runs with
-    ``threads`` torch threads per job (``None``: as many as now), a forked one with one (see
+    ``jobs`` of them at once, the most expensive first, and meanwhile the checks the export
+    cache is expected to serve in process (see :mod:`.placement`).  A check in process runs with
+    ``threads`` torch threads per job no child takes (``None``: as many as now for all the
+    jobs), a forked one with one (see
     :func:`_child`); forked checks run with the models' weights on disk (:mod:`.spilled`), each
     child mapping its own.  What each check is expected to take next time is recorded."""
     groups = list(groups)
@@ -89,17 +90,24 @@ def check_all(
     placed = place(groups, costs, isolate, jobs)
     ordered = placed.forked + placed.in_process
     trackers = {id(g): _Progress(f"exportobs [{i}/{total}] {g.name}", progress) for i, g in enumerate(ordered, first)}
-    stopped = False
+    cores = _Cores(torch.get_num_threads() if threads is None else threads * jobs, jobs)
     if placed.forked:
-        for result in _recorded(_forked_phase(placed.forked, settings, trackers, jobs), placed.forked, trackers, costs):
-            stopped = stopped or result.verdict == Verdict.INTERRUPTED
-            yield result
-    if stopped:
-        yield from map(interrupted, placed.in_process)
-    elif placed.in_process:
-        in_process_threads = torch.get_num_threads() if threads is None else threads * jobs
-        yield from _recorded(_in_process_phase(placed.in_process, settings, trackers, in_process_threads),
-                             placed.in_process, trackers, costs)
+        phase = _forked_phase(placed.forked, placed.in_process, settings, trackers, jobs, cores)
+    else:
+        phase = _in_process_phase(placed.in_process, settings, trackers, cores.threads(0))
+    yield from _recorded(phase, ordered, trackers, costs)
+
+
+@dataclass(frozen=True)
+class _Cores:
+    """The torch threads of the checks in this process: ``threads`` when no child runs, the
+    share of the ``jobs`` no child takes otherwise."""
+
+    threads_alone: int
+    jobs: int
+
+    def threads(self, children: int) -> int:
+        return max(1, self.threads_alone * (self.jobs - children) // self.jobs)
 
 
 def _recorded(
@@ -115,9 +123,11 @@ def _recorded(
 
 
 def _forked_phase(
-    groups: list[ModelGroup], settings: CheckSettings, trackers: dict[int, _Progress], jobs: int,
+    groups: list[ModelGroup], in_process: list[ModelGroup], settings: CheckSettings, trackers: dict[int, _Progress],
+    jobs: int, cores: _Cores,
 ) -> Iterator[ModelResult]:
-    """The forked checks, their weights spilled to disk meanwhile."""
+    """The forked checks, their weights spilled to disk meanwhile, and the checks ``in_process``
+    in this process while they run."""
     spilled = None
     try:
         spilled = SpilledWeights.spill(groups, settings.export_dir)  # first: the imports grow a smaller heap
@@ -131,11 +141,13 @@ def _forked_phase(
     except KeyboardInterrupt:
         if spilled is not None:
             spilled.remove()
-        yield from map(interrupted, groups)
+        yield from map(interrupted, groups + in_process)
         return
-    with _heap_frozen():
+    here = _Here([(g, trackers[id(g)]) for g in in_process], cores)
+    with _heap_frozen(), _threads_kept():
         try:
-            yield from _forked(groups, settings, [trackers[id(g)] for g in groups], min(jobs, len(groups)), spilled)
+            yield from _forked(groups, settings, [trackers[id(g)] for g in groups], min(jobs, len(groups)), spilled,
+                               here)
         finally:
             if spilled is not None:
                 spilled.remove()
@@ -145,11 +157,17 @@ def _in_process_phase(
     groups: list[ModelGroup], settings: CheckSettings, trackers: dict[int, _Progress], threads: int,
 ) -> Iterator[ModelResult]:
     """The checks in this process, one after the other, on ``threads`` torch threads."""
+    with _threads_kept(), _heap_frozen():
+        torch.set_num_threads(threads)
+        yield from _in_turn(groups, settings, [trackers[id(g)] for g in groups])
+
+
+@contextlib.contextmanager
+def _threads_kept() -> Iterator[None]:
+    """Around checks in this process: torch's thread count as it was before them."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        with _heap_frozen():
-            yield from _in_turn(groups, settings, [trackers[id(g)] for g in groups])
+        yield
     finally:
         torch.set_num_threads(previous)
 
@@ -170,17 +188,37 @@ def _heap_frozen() -> Iterator[None]:
 
 def _in_turn(groups: list[ModelGroup], settings: CheckSettings, trackers: list[_Progress]) -> Iterator[ModelResult]:
     for position, (group, tracker) in enumerate(zip(groups, trackers)):
-        tracker.begin = time.perf_counter()
         try:
-            with time_limit(settings.timeout):
-                result = check_model(group, settings, tracker)
-        except ModelTimeout:
-            result = _timed_out(group, settings, tracker.stage)
+            result = _checked_here(group, settings, tracker)
         except KeyboardInterrupt:
             yield interrupted(group, tracker.stage)
             yield from map(interrupted, groups[position + 1:])
             return
-        yield tracker.done(result)
+        yield result
+
+
+def _checked_here(group: ModelGroup, settings: CheckSettings, tracker: _Progress) -> ModelResult:
+    """``group`` checked in this process within the time limit (Ctrl-C goes through)."""
+    tracker.begin = time.perf_counter()
+    try:
+        with time_limit(settings.timeout):
+            result = check_model(group, settings, tracker)
+    except ModelTimeout:
+        result = _timed_out(group, settings, tracker.stage)
+    return tracker.done(result)
+
+
+@dataclass
+class _Here:
+    """The checks to run in this process while forked ones run, on the cores no child takes."""
+
+    checks: list[tuple[ModelGroup, _Progress]]
+    cores: _Cores
+
+    def next_check(self, children: int) -> tuple[ModelGroup, _Progress]:
+        """The next check, torch's threads set to the cores ``children`` leave."""
+        torch.set_num_threads(self.cores.threads(children))
+        return self.checks.pop(0)
 
 
 def interrupted(group: ModelGroup, stage: Stage | str = "") -> ModelResult:
@@ -229,6 +267,13 @@ class _Child:
             self.tracker(Stage(value[0]), value[1])
         return True
 
+    def drain(self) -> bool:
+        """Take every message the child has sent by now; ``False`` once it has nothing more to say."""
+        while self.receiver.poll():
+            if not self.read():
+                return False
+        return True
+
     def end(self) -> ModelResult:
         """Wait for the child to exit; its result, or the failure its death is."""
         self.process.join()
@@ -246,30 +291,41 @@ class _Child:
 
 def _forked(
     groups: list[ModelGroup], settings: CheckSettings, trackers: list[_Progress], jobs: int,
-    spilled: SpilledWeights | None,
+    spilled: SpilledWeights | None, here: _Here | None = None,
 ) -> Iterator[ModelResult]:
     """Check each group in a forked child, ``jobs`` at once: a native crash fails its model, not
     the session.  A child is killed when its time is up or the session is interrupted.  The
-    weights ``spilled`` to disk are restored in each child."""
+    weights ``spilled`` to disk are restored in each child.  The checks ``here`` run in this
+    process meanwhile, one job's place taken from the children until they are done (a rerun's
+    checks the export cache serves beside the forked checks of its largest models)."""
     waiting = list(zip(groups, trackers))
+    local = here.checks if here is not None else []
     running: list[_Child] = []
+    current: tuple[ModelGroup, _Progress] | None = None
     try:
-        while waiting or running:
-            while waiting and len(running) < jobs:
+        while waiting or running or local:
+            while waiting and len(running) < max(1, jobs - bool(local)):
                 started = _start(*waiting[0], settings, spilled)
                 waiting.pop(0)  # only now: a Ctrl-C while starting leaves it waiting, reported interrupted
                 if isinstance(started, _Child):
                     running.append(started)
                 else:
                     yield started
-            for child, late in _ended(running):
+            if local and here is not None:
+                current = group, tracker = here.next_check(len(running))
+                result = _checked_here(group, settings, tracker)
+                current = None
+                yield result
+            for child, late in _ended(running, block=not local) if running else []:
                 running.remove(child)
                 yield child.tracker.done(_kill_timed_out(child, settings) if late else child.end())
     except KeyboardInterrupt:
         for child in running:
             child.kill()
         yield from (interrupted(c.group, c.tracker.stage) for c in running)
-        yield from (interrupted(g) for g, _ in waiting)
+        if current is not None:
+            yield interrupted(current[0], current[1].stage)
+        yield from (interrupted(g) for g, _ in [*waiting, *local])
 
 
 def _start(
@@ -292,16 +348,17 @@ def _start(
     return _Child(group, tracker, process, receiver, deadline)
 
 
-def _ended(running: list[_Child]) -> list[tuple[_Child, bool]]:
-    """Read the children's messages until some have ended or run out of time (``True``)."""
+def _ended(running: list[_Child], block: bool = True) -> list[tuple[_Child, bool]]:
+    """Read the children's messages until some have ended or run out of time (``True``);
+    without ``block``, those that have by now (maybe none)."""
     while True:
         deadlines = [c.deadline for c in running if c.deadline is not None]
-        timeout = min([_WAKE, *(max(0.0, d - time.monotonic()) for d in deadlines)])
+        timeout = min([_WAKE, *(max(0.0, d - time.monotonic()) for d in deadlines)]) if block else 0.0
         readable = wait([c.receiver for c in running], timeout)
-        done = [c for c in running if c.receiver in readable and not c.read()]
+        done = [c for c in running if c.receiver in readable and not c.drain()]
         now = time.monotonic()
         late = [c for c in running if c not in done and c.deadline is not None and now >= c.deadline]
-        if done or late:
+        if done or late or not block:
             return [(c, False) for c in done] + [(c, True) for c in late]
 
 

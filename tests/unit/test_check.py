@@ -6,6 +6,8 @@ import contextlib
 import functools
 import os
 import shutil
+import signal
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -1662,13 +1664,111 @@ def test_checks_the_export_cache_served_last_time_run_in_process_and_others_are_
     assert [line.split(": ")[0] for line in lines if " in " in line] == [
         "exportobs [1/3] mlp0", "exportobs [2/3] scaled", "exportobs [3/3] mlp1"]
     changed = list(runner.check_all(groups(6), checked, isolate=False, jobs=2))  # mlp1 called at another size
-    assert forked == [] and [r.name for r in changed] == ["mlp0", "scaled", "mlp1"]  # one left to fork: in process
+    assert forked == ["mlp1"] and changed == []  # forked (here: by the stand-in) beside the two in process
+    forked.clear()
     monkeypatch.setattr(placement, "IN_PROCESS_BYTES", 0)
     in_process = list(runner.check_all(groups(4), checked, isolate=False, jobs=2))
     assert sorted(forked) == ["mlp0", "mlp1", "scaled"] and in_process == []
     forked.clear()
     isolated = list(runner.check_all(groups(4), checked, isolate=True, jobs=1))
     assert sorted(forked) == ["mlp0", "mlp1", "scaled"] and isolated == []
+
+
+def _placed_by_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[ModelGroup], CheckSettings]:
+    """Three models checked once (each check's seconds recorded): on a rerun, the one whose
+    weights are above the in-process bound is forked, the two others checked in process."""
+    from pytest_exportobs.engine import placement, runner
+
+    def groups() -> list[ModelGroup]:
+        return [observed(Wider().eval(), (torch.randn(2, 1024),), (torch.randn(3, 1024),), name="wider"),
+                *(observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),), name=f"mlp{i}") for i in range(2))]
+
+    checked = settings(tmp_path)
+    assert [r.verdict for r in runner.check_all(groups(), checked, isolate=False, jobs=2)] == ["passed"] * 3
+    monkeypatch.setattr(placement, "IN_PROCESS_BYTES", 1 << 20)  # Wider's weights: 4 MB, an MLP's: 1 kB
+    return groups(), checked
+
+
+def test_checks_in_process_run_beside_the_forked_ones_on_the_cores_they_leave(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rerun's large model checked in a child while the small ones are checked in process:
+    with one child running, the session's process takes one job's threads, all once it ends."""
+    from pytest_exportobs.engine import runner
+
+    groups, checked = _placed_by_size(tmp_path, monkeypatch)
+    parent, started = os.getpid(), []
+    threads_seen: dict[str, int] = {}
+    start = runner._start
+
+    def counting(group: ModelGroup, check_settings: CheckSettings, *progress: Any) -> Any:
+        if os.getpid() == parent:
+            threads_seen[group.name] = torch.get_num_threads()
+        return check_model(group, check_settings, *progress)
+
+    monkeypatch.setattr(runner, "check_model", counting)
+    monkeypatch.setattr(runner, "_start", lambda group, *rest: started.append(group.name) or start(group, *rest))
+    previous = torch.get_num_threads()
+    results = list(runner.check_all(groups, checked, isolate=False, jobs=2, threads=2))
+    assert sorted((r.name, r.verdict) for r in results) == [("mlp0", "passed"), ("mlp1", "passed"),
+                                                             ("wider", "passed")]
+    assert started == ["wider"] and set(threads_seen) == {"mlp0", "mlp1"}
+    assert threads_seen["mlp0"] == 2  # the first in process begins as the child does: 2 of the 4 threads
+    assert torch.get_num_threads() == previous
+
+
+def test_checks_in_process_go_on_after_the_forked_ones_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forked check ends (and is reaped) while the first check in process runs: the second
+    one runs, and the checks end, without a child to wait for."""
+    from pytest_exportobs.engine import runner
+
+    groups, checked = _placed_by_size(tmp_path, monkeypatch)
+    parent, children = os.getpid(), []
+    start = runner._start
+
+    def started(*args: Any) -> Any:
+        children.append(child := start(*args))
+        return child
+
+    def waiting_for_the_child(group: ModelGroup, check_settings: CheckSettings, *progress: Any) -> Any:
+        if os.getpid() == parent and group.name == "mlp0":
+            children[0].process.join(60)
+        return check_model(group, check_settings, *progress)
+
+    monkeypatch.setattr(runner, "_start", started)
+    monkeypatch.setattr(runner, "check_model", waiting_for_the_child)
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the checks did not end"))
+    signal.alarm(60)
+    try:
+        results = list(runner.check_all(groups, checked, isolate=False, jobs=2))
+    finally:
+        signal.alarm(0)
+    assert [(r.name, r.verdict) for r in results] == [("mlp0", "passed"), ("wider", "passed"), ("mlp1", "passed")]
+
+
+def test_ctrl_c_in_a_check_in_process_kills_the_forked_ones_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pytest_exportobs.engine import runner
+
+    groups, checked = _placed_by_size(tmp_path, monkeypatch)
+    parent = os.getpid()
+
+    def interrupting(group: ModelGroup, check_settings: CheckSettings, *progress: Any) -> Any:
+        if os.getpid() == parent:
+            raise KeyboardInterrupt
+        time.sleep(30)  # the child: still running when the session is interrupted
+        return check_model(group, check_settings, *progress)
+
+    monkeypatch.setattr(runner, "check_model", interrupting)
+    begin = time.monotonic()
+    results = list(runner.check_all(groups, checked, isolate=False, jobs=2))
+    assert time.monotonic() - begin < 20
+    assert [(r.name, r.verdict, r.reason) for r in results] == [
+        ("wider", "interrupted", "interrupted (Ctrl-C) during infer"),
+        ("mlp0", "interrupted", "interrupted (Ctrl-C) during infer"),
+        ("mlp1", "interrupted", "interrupted (Ctrl-C) before its check began"),
+    ]
 
 
 def test_a_check_key_changes_with_the_calls_structure_and_the_settings_not_the_weights(tmp_path: Path) -> None:

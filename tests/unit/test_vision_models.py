@@ -95,6 +95,22 @@ def test_a_guessed_side_the_graph_serves_at_the_traced_size_only_is_kept_static_
         torch.testing.assert_close(run_onnx(result.onnx_path, unseen), model(unseen), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_a_rerun_keeps_the_guessed_sides_static_without_varying_them_again(tmp_path: Path) -> None:
+    """The exploration that failed on the guessed sides is kept with the trace: a rerun takes
+    the same decision from it (the same notes, the same dims) without running the model again."""
+    group = observed(PatchMixer().eval(), (torch.randn(2, 3, 8, 8),), (torch.randn(3, 3, 8, 8),))
+    cached = CheckSettings(export_dir=tmp_path, examples=10, hypothesis_seed=0)
+    first, rerun = check_model(group, cached), check_model(group, cached)
+    assert [(r.verdict, r.dims) for r in (first, rerun)] == [("passed", {"pixel_values": {"0": "batch"}})] * 2
+    kept = [n for n in first.notes if "kept static" in n]
+    assert kept and [n for n in rerun.notes if "kept static" in n] == kept
+    assert "variations" in first.graphs[0].timings and "variations" not in rerun.graphs[0].timings
+    assert "variations: as explored on an earlier run of this trace (failing on sizes of dims the tests never " \
+           "varied), not again (the export cache holds the outcome)" in rerun.notes
+    assert not list(tmp_path.rglob("repro*.py"))  # the failure withdrawn: no repro written
+
+
 def test_sides_the_tests_vary_stay_dynamic_and_the_failure_names_the_line(tmp_path: Path) -> None:
     model = PatchMixer().eval()
     group = observed(model, (torch.randn(2, 3, 8, 8),), (torch.randn(3, 3, 12, 10),))
