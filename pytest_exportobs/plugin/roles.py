@@ -39,7 +39,8 @@ def _check(
     """Check the groups observed in this process (torch is imported only when there are some)."""
     if not groups:
         return []
-    from ..engine.runner import check_all, interrupted
+    from ..engine.children import interrupted
+    from ..engine.runner import check_all
 
     if session.exitstatus == pytest.ExitCode.INTERRUPTED:
         return [interrupted(group) for group in groups]

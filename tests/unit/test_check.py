@@ -1550,7 +1550,7 @@ def test_a_batch_of_one_model_is_checked_in_process_with_the_threads_of_the_unus
         threads_seen.append(torch.get_num_threads())
         return check_model(group, check_settings, *progress)
 
-    monkeypatch.setattr(runner, "_forked", lambda *args: pytest.fail("a batch of one model was forked"))
+    monkeypatch.setattr(runner, "_start", lambda *args: pytest.fail("a batch of one model was forked"))
     monkeypatch.setattr(runner, "check_model", counting)
     group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
     results = list(runner.check_all([group], settings(tmp_path), isolate=False, jobs=2, threads=1))
@@ -1707,7 +1707,8 @@ def test_checks_in_process_run_beside_the_forked_ones_on_the_cores_they_leave(
         return check_model(group, check_settings, *progress)
 
     monkeypatch.setattr(runner, "check_model", counting)
-    monkeypatch.setattr(runner, "_start", lambda group, *rest: started.append(group.name) or start(group, *rest))
+    monkeypatch.setattr(runner, "_start", lambda checks, *rest: started.extend(g.name for g, _ in checks)
+                        or start(checks, *rest))
     previous = torch.get_num_threads()
     results = list(runner.check_all(groups, checked, isolate=False, jobs=2, threads=2))
     assert sorted((r.name, r.verdict) for r in results) == [("mlp0", "passed"), ("mlp1", "passed"),
@@ -1744,6 +1745,37 @@ def test_checks_in_process_go_on_after_the_forked_ones_ended(tmp_path: Path, mon
     finally:
         signal.alarm(0)
     assert [(r.name, r.verdict) for r in results] == [("mlp0", "passed"), ("wider", "passed"), ("mlp1", "passed")]
+
+
+def test_a_forked_helper_takes_half_the_checks_in_process_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun of ten small models the export cache serves: four go to one forked helper, checked
+    in turn there while this process checks the five others on the job left to it."""
+    from pytest_exportobs.engine import runner
+
+    def groups() -> list[ModelGroup]:
+        return [observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),), name=f"mlp{i}") for i in range(10)]
+
+    checked = settings(tmp_path)
+    assert [r.verdict for r in runner.check_all(groups(), checked, isolate=False, jobs=2)] == ["passed"] * 10
+    parent, forks, threads_here = os.getpid(), [], []
+    start = runner._start
+
+    def counting(group: ModelGroup, check_settings: CheckSettings, *progress: Any) -> Any:
+        if os.getpid() == parent:
+            threads_here.append(torch.get_num_threads())
+        return check_model(group, check_settings, *progress)
+
+    monkeypatch.setattr(runner, "_start", lambda checks, *rest: forks.append([g.name for g, _ in checks])
+                        or start(checks, *rest))
+    monkeypatch.setattr(runner, "check_model", counting)
+    lines: list[str] = []
+    results = list(runner.check_all(groups(), checked, isolate=False, jobs=2, threads=1, progress=lines.append))
+    assert sorted((r.name, r.verdict) for r in results) == [(f"mlp{i}", "passed") for i in range(10)]
+    assert all("export cache hit: torch.export and translation skipped" in r.notes for r in results)
+    assert forks == [["mlp5", "mlp6", "mlp7", "mlp8", "mlp9"]] and threads_here[0] == 1
+    assert len(threads_here) == 5  # mlp0 .. mlp4 here
+    assert sorted(line.split(": ")[0] for line in lines if " passed in " in line) == sorted(
+        f"exportobs [{i + 1}/10] mlp{i}" for i in range(10))
 
 
 def test_ctrl_c_in_a_check_in_process_kills_the_forked_ones_beside_it(
