@@ -102,6 +102,8 @@ class Child:
             self.checks.pop(0)
             if self.checks:
                 self._begin()
+            else:  # every check done: the child only has to exit, which no time limit bounds
+                self.deadline = None
         else:
             tracker(Stage(value[0]), value[1])
         return True

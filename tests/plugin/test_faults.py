@@ -165,6 +165,25 @@ def forked_group(name: str) -> ModelGroup:
     return group
 
 
+def test_a_child_whose_checks_are_done_is_not_late_while_it_exits() -> None:
+    """The last result came in time, then the time limit passed before the child's pipe closed:
+    nothing is out of time (a check to blame no longer exists)."""
+    from pytest_exportobs.engine.children import Child, Progress, ended
+
+    group = forked_group("done")
+    receiver, sender = multiprocessing.get_context("fork").Pipe(duplex=False)
+    child = Child([(group, Progress("exportobs [1/1] done", None))], process=None, receiver=receiver,  # type: ignore[arg-type]
+                  timeout=0.05)
+    sender.send(("result", ModelResult(name="done", verdict=Verdict.PASSED).to_json()))
+    time.sleep(0.1)  # past the time limit, the pipe still open: the child is exiting
+    try:
+        assert ended([child], block=False) == []
+        assert [(r.name, r.verdict) for r in child.taken()] == [("done", "passed")] and child.checks == []
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_ctrl_c_taken_by_another_thread_stops_the_forked_checks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
