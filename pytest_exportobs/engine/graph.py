@@ -313,7 +313,9 @@ class GraphCheck:
                 f"variations: eager rejected all {variation.tried} generated examples: the model relates "
                 "sizes that the shape model keeps independent (e.g. mask = seq + a constant past)"
             )
-        if guessed or variation.failed and variation.max_abs is None and self._evaluator_failed(variation.detail):
+        if guessed:
+            return variation  # no reason, no repro: _stages keeps the dims static and exports again
+        if variation.failed and variation.max_abs is None and self._evaluator_failed(variation.detail):
             return variation
         if variation.failed:
             # find() returned the smallest failing example: its sizes and leaves are set

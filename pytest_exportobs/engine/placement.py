@@ -4,8 +4,9 @@ Forked checks (``--export-jobs`` above 1, ``--export-isolate``) run side by side
 expensive first: the last to end is then a short one, not a straggler.  A check the export cache
 is expected to serve (under :data:`IN_PROCESS_SECONDS`) of a model whose weights are small runs
 in the session's process instead, beside the forked ones (on the cores they leave): a fork's
-start and the pages its child touches cost more than such a check (timm's 42 models, every graph served by the cache:
-13.6 s of checks one after the other in process, 27 s of forked checks two at a time).  A larger
+start and the pages its child touches cost more than such a check (timm's 42 models, every
+graph served by the cache: 13.6 s of checks one after the other in process, 27 s of forked
+checks two at a time).  A larger
 model's check stays forked: its ONNX file and runtime session (about three copies of its
 weights) stay out of the session's process, whose memory holds every kept model.
 
