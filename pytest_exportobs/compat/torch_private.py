@@ -3,8 +3,7 @@ breaks this module only, and its tests say which (``tests/unit/test_compat.py``)
 
 torch.onnx.export's two steps (torch.onnx._internal.exporter), called apart so that each is timed
 and reported on its own with one torchlib registry per process; what it enters around
-torch.export (size-oblivious sizes, the RNN while-loop decompositions) and what a check turns off
-in torch's tracing machinery for speed; the error torch.export
+torch.export (size-oblivious sizes, the RNN while-loop decompositions); the error torch.export
 raises for rejected dims; fake tensors; the removal of a pytree node, which torch offers for its
 Python side only.  The rest of ``torch.utils._pytree`` is not here: it is the pytree API the
 ecosystem (torch.export's own docs, transformers, the peers) uses under that name.
@@ -16,11 +15,8 @@ import contextlib
 import functools
 import importlib
 import inspect
-import logging
-import sys
-import traceback
 from collections.abc import Iterator, Mapping
-from types import FrameType, ModuleType
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -31,8 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .traced_ir import as_translatable, promote_types
 
 __all__ = [
-    "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node", "dispatches_cached",
-    "import_export_machinery", "lean_tracing", "onnx_registry", "prepare_for_onnx", "register_translations",
+    "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node",
+    "import_export_machinery", "onnx_registry", "prepare_for_onnx", "register_translations",
     "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "sympy_functions", "taken_as_traced",
     "to_onnx_program", "translated_ops", "unchecked_module",
 ]
@@ -74,83 +70,6 @@ def unchecked_module(program: torch.export.ExportedProgram) -> torch.fx.GraphMod
             graph_module.graph.erase_node(node)
     graph_module.recompile()
     return graph_module
-
-
-@contextlib.contextmanager
-def lean_tracing() -> Iterator[None]:
-    """torch's tracing machinery without two costs that buy a check nothing, for the block.
-
-    - The fake tensors' dispatch cache (``torch._dynamo.config.fake_tensor_cache_enabled``): with
-      symbolic sizes, each hit rebuilds its outputs' sizes from the entry by symbolic arithmetic
-      and each miss records them, which costs more than computing them again (torch.export of a
-      2-layer GPT-2 with two dynamic dims: 0.51 s -> 0.32 s on torch 2.13, 0.41 -> 0.32 s on 2.15).
-      The cache is a memo of the same computation: the traced program does not change.  The
-      fake tensors' mode keeps the setting it was made with: :func:`dispatches_cached` turns
-      the cache on again for what is later traced on the program's values.
-    - The handlers pytest's logging plugin attaches to every non-propagating logger, torch's
-      structured trace (``torch.__trace``) among them: with a handler there, torch builds each
-      event's record (a symbolized stack per guard, graphs printed) for pytest to capture and
-      nobody to read.  Other handlers (torch's own for ``TORCH_TRACE``) stay.
-    - The symbolization of every frame of the stack at each traced node (``torch.fx.proxy``'s
-      ``CapturedTraceback``): the tracer keeps the frames from the model's ``forward`` on, as
-      text; :class:`_PythonFrames` reads the same frames from Python and the source lines of
-      those kept only, which makes the same ``stack_trace`` (a trace under pytest's 80 frames:
-      10 % of torch.export's time).
-    """
-    import torch._dynamo.config as dynamo_config
-    import torch.fx.proxy as fx_proxy
-
-    trace_log = logging.getLogger("torch.__trace")
-    pytests = [handler for handler in trace_log.handlers if type(handler).__module__ == "_pytest.logging"]
-    for handler in pytests:
-        trace_log.removeHandler(handler)
-    symbolized = fx_proxy.CapturedTraceback
-    fx_proxy.CapturedTraceback = _PythonFrames  # type: ignore[misc, assignment]
-    try:
-        with dynamo_config.patch(fake_tensor_cache_enabled=False):
-            yield
-    finally:
-        fx_proxy.CapturedTraceback = symbolized  # type: ignore[misc]
-        for handler in pytests:
-            trace_log.addHandler(handler)
-
-
-class _PythonFrames:
-    """The Python stack where :meth:`extract` is called, as ``torch.utils._traceback``'s
-    ``CapturedTraceback`` gives it for ``extract().summary()``, the source lines read lazily."""
-
-    __slots__ = ("frames",)
-
-    def __init__(self, frames: list[tuple[str, int, str]]) -> None:
-        self.frames = frames  # innermost first: (file, line, function)
-
-    @staticmethod
-    def extract() -> _PythonFrames:
-        frames = []
-        frame: FrameType | None = sys._getframe(1)
-        while frame is not None:
-            frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-            frame = frame.f_back
-        return _PythonFrames(frames)
-
-    def summary(self) -> traceback.StackSummary:
-        return traceback.StackSummary.from_list([
-            traceback.FrameSummary(file, line, function, lookup_line=False)
-            for file, line, function in reversed(self.frames)])
-
-
-def dispatches_cached(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``program`` with the fake tensors it was traced with caching their dispatches again, as
-    torch's configuration says (:func:`lean_tracing` traced it without): the decompositions later
-    traced on its recorded values repeat ops at sizes the trace fixed, where the cache pays
-    (decomposition summed over timm's 42 graphs: 13.0 s without, 6.7 s with)."""
-    import torch._dynamo.config as dynamo_config
-    from torch._guards import detect_fake_mode
-
-    mode = detect_fake_mode([node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder"])
-    if mode is not None:
-        mode.cache_enabled = dynamo_config.fake_tensor_cache_enabled and not mode.propagate_real_tensors
-    return program
 
 
 def import_export_machinery() -> None:

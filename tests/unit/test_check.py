@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pytest_exportobs import InputObserver, ShapeModel
+from pytest_exportobs.core.vocabulary import Target
 from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.engine.export import cache
@@ -785,6 +786,27 @@ def test_a_wrong_translation_of_a_bfloat16_graph_fails_under_the_reference_evalu
     result = check_model(observed(model, (torch.randn(2, 8, dtype=torch.bfloat16),)), settings(tmp_path))
     assert (result.verdict, result.stage, result.kind, result.runtimes) == (
         "failed", "verify", "mismatch", ["onnx-reference"]), result.reason
+
+
+def test_checks_forked_after_prepare_inherit_the_registry_with_this_packages_translations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A translation registered in a forked check would build the decomposition table again there."""
+    from pytest_exportobs.compat import torch_private
+    from pytest_exportobs.engine.export import pipeline
+
+    monkeypatch.setattr(torch_private, "_REGISTERED", set())
+    fresh = functools.cache(torch_private._torchlib_registry.__wrapped__)
+    monkeypatch.setattr(torch_private, "_torchlib_registry", fresh)
+    try:
+        pipeline.prepare(Target.ONNX)
+        table = torch_private.onnx_decompositions()
+        torch_private.register_translations(pipeline.custom_translations())
+        assert torch_private.onnx_decompositions() is table
+        assert torch.ops.aten._grouped_mm.default in torch_private._REGISTERED
+    finally:  # the tables of the registry this test built
+        torch_private.translated_ops.cache_clear()
+        torch_private.onnx_decompositions.cache_clear()
 
 
 class HugeConv(torch.nn.Module):

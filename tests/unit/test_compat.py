@@ -9,17 +9,21 @@ import importlib.util
 import inspect
 import json
 import logging
+import threading
+import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import onnx
 import pytest
 import sympy
 import torch
+from torch._subclasses.fake_impls import get_fast_op_impls
 from torch.utils._traceback import CapturedTraceback
 
 from pytest_exportobs.compat.hypothesis_private import collect_local_constants
+from pytest_exportobs.compat.lean_tracing import dispatches_cached, lean_tracing
 from pytest_exportobs.compat.onnxruntime_text import failing_node, kernel_lacked, lacks_kernel
 from pytest_exportobs.compat.onnxscript_private import rules_tried_by_root_op
 from pytest_exportobs.compat.torch_private import (
@@ -27,9 +31,7 @@ from pytest_exportobs.compat.torch_private import (
     ExportUserError,
     FakeTensor,
     deregister_pytree_node,
-    dispatches_cached,
     import_export_machinery,
-    lean_tracing,
     onnx_registry,
     prepare_for_onnx,
     rename_onnx_axes,
@@ -223,14 +225,16 @@ class Attending(torch.nn.Module):
 
 
 class Outer(torch.nn.Module):
-    """:class:`Attending` called from another module: a stack of two ``forward`` frames."""
+    """:class:`Attending` called from another module (a stack of two ``forward`` frames) on a
+    normalized sequence."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
         self.inner = Attending()
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
-        return self.inner(x, memory).relu()
+        return self.inner(self.norm(x), memory).relu()
 
 
 def _fake_dispatches() -> int:
@@ -266,6 +270,8 @@ def test_lean_tracing_traces_the_same_program_without_dispatch_cache_pytests_han
         trace_log.removeHandler(own)
     assert lean.graph_module.print_readable(print_output=False) == cached.graph_module.print_readable(
         print_output=False)
+    assert _values(lean) == _values(cached)
+    assert torch.ops.aten.native_layer_norm.default not in get_fast_op_impls()
     assert str(lean.range_constraints) == str(cached.range_constraints)
     traces = [node.meta.get("stack_trace") for node in lean.graph.nodes]
     assert traces == [node.meta.get("stack_trace") for node in cached.graph.nodes]  # read, not symbolized
@@ -274,6 +280,123 @@ def test_lean_tracing_traces_the_same_program_without_dispatch_cache_pytests_han
     before = _fake_dispatches()
     dispatches_cached(lean).run_decompositions()  # traced again on the trace's fake values
     assert _fake_dispatches() > before
+
+
+def _values(program: torch.export.ExportedProgram) -> list[tuple[str, ...]]:
+    """Each node's value as text: sizes, strides, dtype."""
+    return [(node.name, *(str(f(v)) for f in (torch.Tensor.size, torch.Tensor.stride, lambda t: t.dtype)))
+            for node in program.graph.nodes if isinstance(v := node.meta.get("val"), torch.Tensor)]
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten.native_layer_norm.default, torch.ops.aten.addmm.default])
+def test_the_ops_sized_directly_are_those_fake_tensors_decompose(op: torch._ops.OpOverload) -> None:
+    from torch._decomp import decomposition_table, meta_table
+
+    assert op in decomposition_table and op not in meta_table
+
+
+class Fake(NamedTuple):
+    """A fake tensor to make: its size, its dynamic axes, its dtype."""
+
+    shape: tuple[int, ...]
+    dynamic: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+
+def _fake_run(op: torch._ops.OpOverload, lean: bool, arguments: list[Any], kwargs: dict[str, Any]) -> tuple[
+        list[tuple[str, ...]], list[str], int]:
+    """``op`` run on ``arguments`` (each :class:`Fake` made a fake tensor): each output's size,
+    strides, dtype and device, the guards made and the number of ops dispatched to the fakes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    dispatched, ops = mode.dispatch, []
+    mode.dispatch = lambda func, *rest: ops.append(func) or dispatched(func, *rest)  # type: ignore[method-assign]
+
+    def made(argument: Any) -> Any:
+        if not isinstance(argument, Fake):
+            return argument
+        sizes = [DimDynamic.DYNAMIC if i in argument.dynamic else DimDynamic.STATIC for i in range(len(argument.shape))]
+        return mode.from_tensor(torch.ones(argument.shape, dtype=argument.dtype),
+                                symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+    fakes = [made(argument) for argument in arguments]
+    with lean_tracing() if lean else contextlib.nullcontext(), mode:
+        outputs = op(*fakes, **kwargs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    return [(str(o.shape), str(o.stride()), str(o.dtype), str(o.device)) for o in outputs], [
+        str(guard.expr) for guard in shape_env.guards], len(ops)
+
+
+_NORM, _ADDMM = torch.ops.aten.native_layer_norm.default, torch.ops.aten.addmm.default
+_ROW, _WEIGHTS = Fake((32,), ()), Fake((16, 24), ())
+
+
+@pytest.mark.parametrize(("op", "arguments", "kwargs", "direct"), [
+    (_NORM, [Fake((2, 7, 32), (0, 1)), [32], _ROW, _ROW, 1e-5], {}, True),
+    (_NORM, [Fake((2, 7, 32), (1,), torch.float16), [32], _ROW, _ROW, 1e-5], {}, True),  # in float, cast back
+    (_NORM, [Fake((2, 7, 4, 8), (0, 1), torch.bfloat16), [4, 8], Fake((4, 8), (), torch.bfloat16), None, 1e-5],
+     {}, True),
+    (_NORM, [Fake((2, 1, 32), (0,)), [32], None, None, 1e-5], {}, True),
+    (_NORM, [Fake((2, 7, 32), (0, 2)), [32], _ROW, _ROW, 1e-5], {}, False),  # a dynamic normalized dim
+    (_ADDMM, [Fake((24,), ()), Fake((14, 16), (0,)), _WEIGHTS], {}, True),
+    (_ADDMM, [Fake((1, 24), (), torch.float16), Fake((14, 16), (0,), torch.float16), Fake((16, 24), (), torch.float16)],
+     {"beta": 0.5, "alpha": 2}, True),
+    (_ADDMM, [Fake((1,), ()), Fake((3, 16), (0,)), Fake((16, 1), ())], {}, True),  # one column
+    (_ADDMM, [Fake((24,), ()), Fake((14, 16), (0, 1)), Fake((16, 24), (0,))], {}, False),  # a dynamic inner size
+    (_ADDMM, [Fake((14, 24), (0,)), Fake((14, 16), (0,)), _WEIGHTS], {}, False),  # a bias of rows
+    (_ADDMM, [Fake((24,), (), torch.int64), Fake((14, 16), (0,), torch.int64), Fake((16, 24), (), torch.int64)],
+     {}, False),
+])
+def test_sizes_made_directly_are_those_of_torchs_decomposition_without_its_guards(
+    op: torch._ops.OpOverload, arguments: list[Any], kwargs: dict[str, Any], direct: bool,
+) -> None:
+    lean, lean_guards, lean_ops = _fake_run(op, True, arguments, kwargs)
+    reference, reference_guards, reference_ops = _fake_run(op, False, arguments, kwargs)
+    assert lean == reference
+    assert reference_ops > 2  # the decomposition's ops: var_mean, rsqrt, mm, mul, add...
+    if direct:  # the op itself only
+        assert (lean_guards, lean_ops) == ([], 1)
+    else:
+        assert (lean_guards, lean_ops) == (reference_guards, reference_ops)
+    assert op not in get_fast_op_impls()
+
+
+def _stacks() -> tuple[list[tuple[str, int, str]], ...]:
+    """The stack as torch's tracer reads it at a node (whole, then its summary), and as Python's
+    ``traceback`` reads it; outermost first."""
+    read, python = torch.fx.proxy.CapturedTraceback.extract(), traceback.extract_stack()
+    return tuple([(f.filename, f.lineno, f.name) for f in frames]  # type: ignore[attr-defined]
+                 for frames in (read.frames[::-1], read.summary(), python))
+
+
+class Reading(torch.nn.Module):
+    def forward(self) -> tuple[list[tuple[str, int, str]], ...]:
+        return _stacks()
+
+
+def anchored_call(module: torch.nn.Module) -> Any:
+    return module()
+
+
+def test_stacks_read_in_a_lean_block_are_pythons_summarized_from_the_outermost_forward_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    code = anchored_call.__code__
+    monkeypatch.setattr(torch.fx.proxy, "_STACK_TRACE_ANCHORS", {(code.co_filename, code.co_name)})
+    threaded: list[Any] = []
+    with lean_tracing():
+        whole, summary, python = anchored_call(Reading())
+        thread = threading.Thread(target=lambda: threaded.extend(_stacks()))
+        thread.start()
+        thread.join()
+    assert whole == python and len(whole) > 20  # pytest's frames, read once
+    forward = next(i for i, frame in enumerate(python) if frame[2] == "forward")
+    assert summary == [next(frame for frame in python if frame[2] == "anchored_call"), *python[forward:]]
+    assert threaded[0] == threaded[2] and threaded[0][-3][2] == "run"  # another thread's stack, read whole
+    assert threaded[1] == []  # no forward there
 
 
 def test_rejected_dims_raise_the_user_error_whose_suggested_fixes_are_parsed() -> None:

@@ -21,7 +21,6 @@ import torch
 from ...compat.torch_private import (
     import_export_machinery,
     onnx_decompositions,
-    onnx_registry,
     output_order,
     register_translations,
 )
@@ -368,13 +367,14 @@ def _restore(entry: TraceEntry, shapes: ShapeModel, outcome: ExportOutcome) -> N
 
 def prepare(target: Target, translating: bool = True) -> None:
     """Import what the first export imports and, when graphs are to be ``translating`` (not a
-    rerun whose export cache holds the traces), build the torchlib registry and the
-    decomposition table a program taken as traced is read with: once, before forked checks,
-    which inherit them instead of each paying about 2 s for the registry and 0.07 s for the
-    table; they are part of the heap frozen while the checks run."""
+    rerun whose export cache holds the traces), build the torchlib registry with this
+    package's translations and the decomposition table a program taken as traced is read
+    with: once, before forked checks, which inherit them instead of each paying about 2 s for
+    the registry and 0.07 s for the table (which a translation registered later builds again);
+    they are part of the heap frozen while the checks run."""
     import_export_machinery()
     if target == Target.ONNX:
         importlib.import_module("onnxruntime")
         if translating:
-            onnx_registry()
+            register_translations(custom_translations())
             onnx_decompositions()

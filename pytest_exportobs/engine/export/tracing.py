@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 
+from ...compat.lean_tracing import dispatches_cached, lean_tracing
 from ...compat.torch_private import (
     DEFERRED_ASSERTS,
     ExportUserError,
-    dispatches_cached,
-    lean_tracing,
     rnn_while_loops,
     size_oblivious,
     unchecked_module,
@@ -100,7 +99,7 @@ class Capture:
     """How torch.export captures a model: under the export ``patches``, non-strict (what
     torch.onnx.export tries first) or ``strict`` (its fallback, TorchDynamo capturing the model's
     Python: ``int(lengths.max().item())`` becomes an unbacked size there); always without what
-    buys a trace nothing (``compat.torch_private.lean_tracing``)."""
+    buys a trace nothing (``compat.lean_tracing``)."""
 
     patches: TracingPatches = NO_PATCHES
     strict: bool = False
