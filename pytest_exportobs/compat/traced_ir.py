@@ -244,7 +244,8 @@ def _functionalize(node: torch.fx.Node, before: set[torch.fx.Node]) -> bool:
     difference: the tensor it writes is made by an op that returns no view (not an input, not
     a view of another tensor), every other node reading it comes ``before`` the op and none
     of them is a view of it, and the op does not cast what it computes back to the tensor's
-    dtype (its tensor arguments share that dtype)."""
+    dtype (its tensor arguments share that dtype, but for boolean ones, which promote nothing:
+    ``masked_fill_``'s mask)."""
     schema = node.target._schema  # type: ignore[union-attr]
     written = [argument for argument in schema.arguments if argument.alias_info and argument.alias_info.is_write]
     if written != schema.arguments[:1] or not schema.name.endswith("_"):
@@ -256,6 +257,8 @@ def _functionalize(node: torch.fx.Node, before: set[torch.fx.Node]) -> bool:
     if not all(user in before and not _view(user.target) for user in target.users if user is not node):
         return False
     dtypes: set[Any] = {getattr(_fake(arg), "dtype", None) for arg in node.all_input_nodes}
+    written_dtype = getattr(_fake(target), "dtype", None)
+    dtypes -= {torch.bool} - {written_dtype}
     if len(dtypes) != 1 or None in dtypes or not _keeps_dtype(node.args[1:], dtypes.pop()):
         return False
     node.target = functional

@@ -245,6 +245,32 @@ def _traced_pairs(*example: torch.Tensor) -> torch.export.ExportedProgram:
                                dynamic_shapes=({0: batch}, {1: length}, {0: batch, 1: length}))
 
 
+class MaskedScores(torch.nn.Module):
+    """Scores zeroed in place where a boolean mask says (transformers' mixture of experts), then
+    halved in place."""
+
+    def forward(self, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        gathered = scores * 2
+        gathered.masked_fill_(~keep.unsqueeze(-1), 0.0)
+        gathered.div_(2)
+        return gathered
+
+
+def test_in_place_writes_with_a_boolean_mask_are_made_functional_and_the_graph_serves_unseen_batches() -> None:
+    model = MaskedScores()
+    program = _traced(model, torch.randn(3, 4), torch.tensor([True, False, True]))
+
+    taken = as_translatable(program, translated_ops())
+
+    assert taken is not None
+    targets = _targets(taken)
+    assert {"aten.masked_fill.Scalar", "aten.div.Tensor"} <= targets
+    assert not targets & {"aten.masked_fill_.Scalar", "aten.div_.Tensor"}
+    scores, keep = torch.randn(5, 4), torch.tensor([True, False, False, True, True])
+    (got,) = _onnx_outputs(program, scores, keep)
+    np.testing.assert_allclose(got, model(scores, keep).numpy(), atol=1e-6)
+
+
 class SliceWritten(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x * 2
@@ -264,6 +290,13 @@ class ReadAfterWrite(torch.nn.Module):
         view = y.view(-1)
         y.relu_()  # the view sees it
         return view + 1
+
+
+class CastBack(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x * 2).half()
+        y.add_(x)  # computed in float32, written back in float16
+        return y.float()
 
 
 class TrainingNorm(torch.nn.Module):
@@ -303,6 +336,7 @@ DECOMPOSED: dict[str, Case] = {
     "in-place write a view reads after": (ReadAfterWrite, ROWS),
     "average pool to 2x2": (PooledToTwo, IMAGES),
     "grad-mode region returned": (GradFreeOutput, ROWS),
+    "in-place write cast back": (CastBack, ROWS),
 }
 UNTAKEN: dict[str, Case] = {  # what onnxruntime does with them is not the point: bf16 kernels, batch statistics
     **DECOMPOSED, "batch norm in training": (lambda: TrainingNorm().train(), ROWS), "autocast region": (Autocast, ROWS),
