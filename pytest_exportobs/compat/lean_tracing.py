@@ -46,7 +46,7 @@ def lean_tracing() -> Iterator[None]:
       trace under pytest's 80 frames: 10 % of torch.export's time).
     - The sizes of the outputs of a layer norm and of a matrix product with a bias (``nn.Linear``,
       GPT-2's ``Conv1D``) computed op by op in symbolic arithmetic by torch's decompositions
-      (together a third of a GPT-2's trace): :func:`_layer_norm_sizes`, :func:`_addmm_sizes`.
+      (together a third of a GPT-2's forward as traced): :func:`_layer_norm_sizes`, :func:`_addmm_sizes`.
     """
     import torch._dynamo.config as dynamo_config
     import torch.fx.proxy as fx_proxy
@@ -59,13 +59,15 @@ def lean_tracing() -> Iterator[None]:
     symbolized = fx_proxy.CapturedTraceback
     fx_proxy.CapturedTraceback = _FramesBelow.of(sys._getframe(2))  # type: ignore[misc, assignment]  # 2: past contextlib's __enter__
     fast = get_fast_op_impls()
+    previous = {op: fast[op] for op in _SIZES if op in fast}
     fast.update(_SIZES)
     try:
         with dynamo_config.patch(fake_tensor_cache_enabled=False):
             yield
     finally:
         for op in _SIZES:
-            fast.pop(op, None)
+            fast.pop(op)
+        fast.update(previous)
         fx_proxy.CapturedTraceback = symbolized  # type: ignore[misc]
         for handler in pytests:
             trace_log.addHandler(handler)
