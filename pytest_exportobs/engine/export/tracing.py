@@ -127,11 +127,14 @@ def trace(
     eager reaching a size past the bound, or exported again split where the model's own next step
     holds some of its axes at the bound.  ``pinned``: how the dims were pinned on another example;
     pinned again at the same line, the dim is not tried as ``Dim.DYNAMIC`` (that line pins every
-    size).  Raises :class:`Specialized`, or torch's error."""
+    size).  With ``pinned`` the named dims are tried first: torch pinned them once the ShapesSpec
+    export had failed on the other example (a dim of the spec, unbacked, is never pinned), and
+    that export fails alike at any size.  Raises :class:`Specialized`, or torch's error."""
     splits: list[Refinement] = []
     with capturing(), logged_specializations() as specializations:
         while True:
-            program = _spec_export(module, shapes, example, constants, notes, capture) if spec_api() else None
+            spec = spec_api() is not None and pinned is None
+            program = _spec_export(module, shapes, example, constants, notes, capture) if spec else None
             form = "Dim" if program is None else "ShapesSpec"
             if program is None:
                 program, shapes = _export(module, shapes, example, constants, specializations, notes, capture,
