@@ -15,6 +15,7 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
+import torch.fx.proxy as fx_proxy
 
 __all__ = ["dispatches_cached", "lean_tracing"]
 
@@ -49,7 +50,6 @@ def lean_tracing() -> Iterator[None]:
       (together a third of a GPT-2's forward as traced): :func:`_layer_norm_sizes`, :func:`_addmm_sizes`.
     """
     import torch._dynamo.config as dynamo_config
-    import torch.fx.proxy as fx_proxy
     from torch._subclasses.fake_impls import get_fast_op_impls
 
     trace_log = logging.getLogger("torch.__trace")
@@ -131,8 +131,6 @@ class _PythonFrames:
         ``torch/__init__.py`` and of the functions registered as anchors
         (``torch.fx.traceback.annotate_fn``); the frames outside the outermost ``forward`` but
         these (pytest's, torch.export's: most of them) are left out."""
-        import torch.fx.proxy as fx_proxy
-
         anchors: set[tuple[str, str]] = getattr(fx_proxy, "_STACK_TRACE_ANCHORS", set())
         outermost_first = self.frames[::-1]
         first = next((i for i, frame in enumerate(outermost_first) if frame.name == "forward"), len(outermost_first))
@@ -154,24 +152,21 @@ def _layer_norm_sizes(
     in).  Anything else goes to the reference."""
     from torch._decomp import decomposition_table
     from torch._prims_common import get_computation_dtype
-    from torch._subclasses.fake_tensor import FakeTensor
 
     normalized = list(normalized_shape)
     kept = input.dim() - len(normalized)
-    static = [*normalized, *input.shape[max(kept, 0):], *(n for t in (weight, bias) if t is not None for n in t.shape)]
-    if not (normalized and kept >= 0 and all(type(n) is int for n in static) and not input.is_complex()
+    weights = [t for t in (weight, bias) if t is not None]
+    weight_sizes = [n for t in weights for n in t.shape]
+    sizes = [*normalized, *input.shape[kept:], *weight_sizes] if normalized and kept >= 0 else []
+    if not (sizes and all(type(n) is int for n in sizes) and not input.is_complex()
             and list(input.shape[kept:]) == normalized
-            and all(t is None or (list(t.shape) == normalized and t.device == input.device) for t in (weight, bias))):
+            and all(list(t.shape) == normalized and t.device == input.device for t in weights)):
         with mode:
             return decomposition_table[_LAYER_NORM](input, normalized_shape, weight, bias, eps)
     statistics = [*input.shape[:kept], *[1] * len(normalized)]
     statistics_dtype = input.dtype if input.device.type in ("cpu", "mtia") else get_computation_dtype(input.dtype)
-
-    def empty(shape: list[Any], dtype: torch.dtype) -> torch.Tensor:
-        return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), device=input.device)
-
-    output = empty(list(input.shape), input.dtype)
-    return output, empty(statistics, statistics_dtype), empty(statistics, statistics_dtype)
+    mean, inverse_deviation = (_fake_empty(mode, statistics, statistics_dtype, input.device) for _ in range(2))
+    return _fake_empty(mode, list(input.shape), input.dtype, input.device), mean, inverse_deviation
 
 
 def _addmm_sizes(
@@ -183,7 +178,6 @@ def _addmm_sizes(
     dtype, where each check the decomposition makes is decided without a guard.  Anything else
     goes to the decomposition."""
     from torch._decomp import decomposition_table
-    from torch._subclasses.fake_tensor import FakeTensor
 
     sizes = [*mat1.shape[1:], *mat2.shape, *bias.shape] if mat1.dim() == mat2.dim() == 2 else []
     if not (sizes and all(type(n) is int for n in sizes) and mat1.shape[1] == mat2.shape[0]
@@ -191,8 +185,15 @@ def _addmm_sizes(
             and bias.dtype == mat1.dtype == mat2.dtype and bias.device == mat1.device == mat2.device):
         with mode:
             return decomposition_table[_ADDMM](bias, mat1, mat2, beta=beta, alpha=alpha)
-    product = torch.empty((mat1.shape[0], mat2.shape[1]), dtype=bias.dtype, device="meta")
-    return FakeTensor(mode, product, device=bias.device)
+    return _fake_empty(mode, [mat1.shape[0], mat2.shape[1]], bias.dtype, bias.device)
+
+
+def _fake_empty(mode: Any, shape: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A contiguous fake tensor of ``mode`` (sizes may be symbolic), as torch's fast
+    implementations make their outputs."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), device=device)
 
 
 _SIZES: dict[Any, Callable[..., Any]] = {_LAYER_NORM: _layer_norm_sizes, _ADDMM: _addmm_sizes}

@@ -131,9 +131,9 @@ def trace(
     export had failed on the other example (a dim of the spec, unbacked, is never pinned), and
     that export fails alike at any size.  Raises :class:`Specialized`, or torch's error."""
     splits: list[Refinement] = []
+    spec = spec_api() is not None and pinned is None
     with capturing(), logged_specializations() as specializations:
         while True:
-            spec = spec_api() is not None and pinned is None
             program = _spec_export(module, shapes, example, constants, notes, capture) if spec else None
             form = "Dim" if program is None else "ShapesSpec"
             if program is None:
