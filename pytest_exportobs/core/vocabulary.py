@@ -108,7 +108,9 @@ class Runtime(StrEnum):
     """What ran a graph to verify it (a graph's ``runtime`` in the reports)."""
 
     ONNXRUNTIME = "onnxruntime"
-    REFERENCE = "onnx-reference"  # onnx's ReferenceEvaluator: half precision onnxruntime's CPU provider cannot run
+    # a half-precision graph onnxruntime's CPU provider cannot run, run by it in float32, rounded at each op's outputs
+    WIDENED = "onnxruntime-float32"
+    REFERENCE = "onnx-reference"  # onnx's ReferenceEvaluator: a graph onnxruntime cannot load even so
     PROGRAM = "torch-program"  # the exported program itself (--export-target torch)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,6 +17,7 @@ from ..shapes.model import ShapeModel
 from .base.eager import call_model
 from .base.settings import CheckSettings
 from .export.tracing_patches import TracingPatches
+from .verify.arbiter import Float64Copy, Float64Model
 from .verify.compare import Tolerance
 
 T = TypeVar("T")
@@ -39,6 +40,7 @@ class ModelContext:
     quiet: Callable[[Callable[[], T]], T]
     progress: Callable[[Stage, str], None]
     ids: list[int]  # per call here, its number among the model's recorded calls
+    _float64: Float64Copy | None = field(default=None, init=False, repr=False)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -59,3 +61,10 @@ class ModelContext:
             return flat_outputs(outputs) if flat else outputs
 
         return run
+
+    def float64(self, shapes: ShapeModel) -> Float64Model:
+        """The model run in float64 on flat leaves of ``shapes``' calls, the arbiter of a mismatch
+        (one copy of the model, made when a mismatch first needs it)."""
+        if self._float64 is None:
+            self._float64 = Float64Copy(self.module)
+        return Float64Model(self._float64, self.method, shapes.aligned.split_arguments)

@@ -16,18 +16,21 @@ from ..shapes.model import ShapeModel
 from .base.result import GraphResult
 from .context import ModelContext
 from .explore.localize import localize_call
-from .export.pipeline import traced_program
+from .export.capturing import traced_program
+from .export.tracing import Capture
 from .repro import write_repro
 from .verify.compare import OutputLayout
 
 
-@dataclass(frozen=True)
+@dataclass
 class Diagnosis:
-    """The diagnosis of one graph's failure, written into its ``result`` (files under ``directory``)."""
+    """The diagnosis of one graph's failure, written into its ``result`` (files under ``directory``);
+    ``capture``: how torch.export captured the graph's program, once the export was tried."""
 
     context: ModelContext
     result: GraphResult
     directory: Path
+    capture: Capture | None = None
 
     def explain(self, shapes: ShapeModel, program: torch.export.ExportedProgram | None, layout: OutputLayout,
                 leaves: list[Any], expected: Sequence[Any], values: bool) -> None:
@@ -59,7 +62,7 @@ class Diagnosis:
 
         def traced() -> torch.export.ExportedProgram:
             return program if program is not None else traced_program(
-                context.module, shapes, context.method, context.patches)
+                context.module, shapes, context.method, context.patches, self.capture)
 
         found = context.quiet(lambda: localize_call(traced, result.onnx_path, leaves, context.tolerance,
                                                     Runtime(result.runtime), expected))
@@ -76,7 +79,7 @@ class Diagnosis:
             repro = write_repro(
                 self.directory / "repro", context.module, shapes, leaves, stage=result.stage,
                 target=context.settings.target, method=context.method,
-                atol=context.tolerance.atol, rtol=context.tolerance.rtol,
+                atol=context.tolerance.atol, rtol=context.tolerance.rtol, capture=self.capture,
             )
         except Exception as e:  # a repro is a convenience: never let it hide the verdict
             result.notes.append(f"no repro written: {type(e).__name__}: {e}")

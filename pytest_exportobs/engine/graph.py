@@ -19,6 +19,7 @@ import torch
 from ..core.text import error_line
 from ..core.trees import detached_clone
 from ..core.vocabulary import DimSource, Kind, Runtime, Stage, Target, Verdict
+from ..observe.binding import value_text
 from ..shapes.model import ShapeModel
 from ..shapes.synthesis import export_sizes
 from .base.environment import writing
@@ -33,7 +34,7 @@ from .export.outcome import ExportOutcome
 from .export.pipeline import export_model
 from .export.probe import SizeProbe, probed_unvaried_dims
 from .planning import GraphPlan
-from .verify.compare import OutputLayout, padded_note, verify_calls
+from .verify.compare import OutputLayout, float64_note, padded_note, verify_calls
 from .verify.references import Reproduction, refreshed, reproduction
 from .verify.runtimes import Unrunnable, onnx_runner, program_runner
 
@@ -142,6 +143,7 @@ class GraphCheck:
             result.timings[stage] = result.timings.get(stage, 0.0) + seconds
         result.notes.extend(note for note in outcome.notes if note not in result.notes)
         self.shapes = outcome.shapes  # as the export refined it
+        self.diagnosis.capture = outcome.capture
         self.asserted = conditions(outcome.refinements)
         summary = self.shapes.to_json()
         result.relations, result.bounds = summary["relations"], summary["bounds"]
@@ -192,19 +194,22 @@ class GraphCheck:
             result.timings[result.stage] = time.perf_counter() - begin
         return runner
 
-    def _verify(self, runner: GraphRunner) -> None:
+    def _verify(self, runner: GraphRunner, arbitrated: bool = False) -> None:
         """Run every call of the plan; the check ends when the graph fails.  Calls that lacked an
-        argument of the graph and fail are split off instead."""
+        argument of the graph and fail are split off instead.  A mismatch whose reference eager
+        gives again is verified again ``arbitrated``: the model in float64 decides which side
+        rounds (see :mod:`.verify.arbiter`)."""
         context, result = self.context, self.result
         context.progress(Stage.VERIFY, self.plan.name)
         result.stage = Stage.VERIFY
         begin = time.perf_counter()
         leaves = [self.shapes.call_leaves(i) for i in range(len(self.plan.calls))]
         references = [context.references[c] for c in self.plan.calls]
-        found = context.quiet(lambda: verify_calls(runner, leaves, references, context.tolerance, self.layout))
+        float64 = context.float64(self.shapes) if arbitrated else None
+        found = context.quiet(lambda: verify_calls(runner, leaves, references, context.tolerance, self.layout, float64))
         result.timings["verify"] = time.perf_counter() - begin
-        padded = padded_note(found, [context.ids[c] for c in self.plan.calls])
-        result.notes.extend([padded] if padded else [])
+        call_ids = [context.ids[c] for c in self.plan.calls]
+        result.notes.extend(note for note in (padded_note(found, call_ids), float64_note(found, call_ids)) if note)
         stood_in = {i for i in range(len(self.plan.calls)) if None in self.shapes.aligned.calls[i]}
         self.split = [self.plan.calls[d.index] for d in found if not d.ok and d.index in stood_in]
         result.calls = [c for c in result.calls if c not in self.split]
@@ -218,13 +223,13 @@ class GraphCheck:
         if self._evaluator_failed(next((d.detail for d in bad if d.kind == Kind.ERROR), "")):
             raise GraphEnded
         worst = max(bad, key=lambda d: d.max_abs)
-        if worst.kind == Kind.MISMATCH:
+        if worst.kind == Kind.MISMATCH and not arbitrated:
             problem = self._reference_problem(self.plan.calls[worst.index])
-            if problem == Reproduction.STALE:
-                self._verify(runner)  # against references eager gives today
-                return
             if problem == Reproduction.NONDETERMINISTIC:
                 raise GraphEnded
+            # against references eager gives today; eager giving them, float64 decides which side rounds
+            self._verify(runner, arbitrated=problem == Reproduction.SAME)
+            return
         source = context.observations[self.plan.calls[worst.index]].source or "recorded call"
         result.kind = worst.kind
         call = context.ids[self.plan.calls[worst.index]]
@@ -257,9 +262,13 @@ class GraphCheck:
         reference = context.references[call]
         found = context.quiet(lambda: reproduction(context.group, observation, reference, context.tolerance))
         if found == Reproduction.NONDETERMINISTIC:
+            opaque = ", ".join(f"{name} ({value_text(value)})" for name, value in
+                               self.shapes.aligned.opaque_arguments().items())
+            why = (f"they depend on {opaque}, bound as the tests passed it: random state?" if opaque
+                   else "sampling? a submodule in training mode?")
             result.kind = Kind.NONDETERMINISTIC
             result.reason = (f"call {context.ids[call]} from {observation.source or 'recorded call'}: two eager runs "
-                             "differ, the outputs cannot be compared (sampling? a submodule in training mode?)")
+                             f"differ, the outputs cannot be compared ({why})")
         elif found == Reproduction.STALE:
             fresh = context.quiet(lambda: refreshed(context.group, context.observations))
             context.references[:] = fresh.outputs
@@ -300,7 +309,7 @@ class GraphCheck:
             database_dir=self.directory / "hypothesis", storage_dir=context.settings.hypothesis_dir,
             outputs=self.layout,
             pad_token_id=getattr(getattr(context.module, "config", None), "pad_token_id", None),
-            asserted=self.asserted,
+            asserted=self.asserted, float64=context.float64(self.shapes),
         ))
         result.timings["variations"] = time.perf_counter() - begin
         result.variations = variation.to_json()
@@ -308,11 +317,7 @@ class GraphCheck:
         if cache and key and (not variation.failed or guessed):
             with contextlib.suppress(OSError):  # an unwritable cache costs the next run its speed, noted by the export
                 cache.store_exploration(key, result.variations)
-        if variation.tried and not variation.valid:
-            result.notes.append(
-                f"variations: eager rejected all {variation.tried} generated examples: the model relates "
-                "sizes that the shape model keeps independent (e.g. mask = seq + a constant past)"
-            )
+        result.notes.extend(_variation_notes(variation))
         if guessed:
             return variation  # no reason, no repro: _stages keeps the dims static and exports again
         if variation.failed and variation.max_abs is None and self._evaluator_failed(variation.detail):
@@ -340,13 +345,26 @@ class GraphCheck:
 
 
 
+def _variation_notes(variation: VariationOutcome) -> list[str]:
+    """What an exploration tells besides its failure: examples where eager rounds, examples eager rejects."""
+    notes = []
+    if variation.rounded:
+        notes.append(f"variations: {variation.rounded} examples differ from eager beyond tolerance where eager rounds "
+                     "as much (the graph is within tolerance of the model in float64 widened by eager's distance from "
+                     "it)")
+    if variation.tried and not variation.valid:
+        notes.append(f"variations: eager rejected all {variation.tried} generated examples: the model relates sizes "
+                     "that the shape model keeps independent (e.g. mask = seq + a constant past)")
+    return notes
+
+
 def _float_dtype(module: torch.nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
 def _json_native(values: dict[str, Any]) -> dict[str, Any]:
     """Constant arguments as JSON has them (strings for anything but numbers and booleans)."""
-    return {k: v if isinstance(v, (bool, int, float, str)) else repr(v) for k, v in values.items()}
+    return {k: v if isinstance(v, (bool, int, float, str)) else value_text(v) for k, v in values.items()}
 
 
 def _finite_max(values: Iterable[float]) -> float | None:

@@ -22,8 +22,9 @@ import torch
 from torch.utils import _pytree
 
 from ..core.trees import flattening_context, spec_children
-from ..core.vocabulary import STAGES, Stage
+from ..core.vocabulary import STAGES, Stage, StrEnum, Target
 from ..shapes.model import ShapeModel
+from .export.tracing import Capture
 
 # The stages a script can rerun: from torch.export to the variations.
 REPRO_STAGES = STAGES[STAGES.index(Stage.TORCH_EXPORT) : STAGES.index(Stage.VARIATIONS) + 1]
@@ -88,10 +89,11 @@ if __name__ == "__main__":
 
 _EXPORT = '''
 def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    """torch.export with every named dimension Dim.DYNAMIC (torch finds the equal ones)."""
+    """torch.export as the check captured the model, every named dimension Dim.DYNAMIC (torch
+    finds the equal ones)."""
     dynamic_shapes = _pytree.tree_map(lambda name: torch.export.Dim.DYNAMIC, DYNAMIC_SHAPES)
     with torch.fx.experimental._config.patch(backed_size_oblivious=SIZE_OBLIVIOUS):
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=STRICT)
 '''
 
 _MAIN_EXPORT = '''
@@ -112,8 +114,9 @@ ONNX_PATH = HERE / "model.onnx"
 
 
 def export_onnx(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.onnx.ONNXProgram:
-    """Export to ONNX beside this script, and check the model."""
-    onnx_program = torch.onnx.export(model, args, kwargs=kwargs, dynamic_shapes=DYNAMIC_SHAPES, dynamo=True)
+    """Export to ONNX beside this script the program captured as the check captured it, and check
+    the model."""
+    onnx_program = torch.onnx.export(export(model, args, kwargs), dynamo=True)
     onnx_program.save(str(ONNX_PATH))
     onnx.checker.check_model(str(ONNX_PATH))
     return onnx_program
@@ -156,19 +159,27 @@ def main() -> int:
     return 0 if result.ok else 1
 '''
 
-# the functions of repro.py per flow: torch.export only, torch.export + run, ONNX + onnxruntime
+class _Flow(StrEnum):
+    """What repro.py reruns: torch.export only, torch.export and the program, or ONNX and onnxruntime."""
+
+    TORCH_EXPORT = "torch.export"
+    PROGRAM = "program"
+    ONNX = "onnx"
+
+
 _FUNCTIONS = {
-    "torch.export": (_EXPORT, _MAIN_EXPORT),
-    "torch": (_EXPORT, _RUN_PROGRAM, _MAIN_VERIFY),
-    "onnx": (_RUN_ONNX, _MAIN_ONNX),
+    _Flow.TORCH_EXPORT: (_EXPORT, _MAIN_EXPORT),
+    _Flow.PROGRAM: (_EXPORT, _RUN_PROGRAM, _MAIN_VERIFY),
+    _Flow.ONNX: (_EXPORT, _RUN_ONNX, _MAIN_ONNX),
 }
 
 
 def write_repro(
     directory: Path, module: torch.nn.Module, shapes: ShapeModel, leaves: list[Any], *, stage: str,
-    target: str, method: str, atol: float | None, rtol: float | None,
+    target: str, method: str, atol: float | None, rtol: float | None, capture: Capture | None = None,
 ) -> Repro:
-    """Write the repro of ``module`` failing at ``stage`` on the call made of ``leaves``."""
+    """Write the repro of ``module`` failing at ``stage`` on the call made of ``leaves``, captured
+    by torch.export as the check captured it (``None``: as torch.onnx.export captures first)."""
     if stage not in REPRO_STAGES:
         raise ValueError(f"no repro for stage {stage!r}; stages are {REPRO_STAGES}")
     directory.mkdir(parents=True, exist_ok=True)
@@ -182,7 +193,10 @@ def write_repro(
     if builder.config is not None:
         (directory / "config.json").write_text(builder.config)
     path = directory / "repro.py"
-    path.write_text(_script(module, shapes, leaves, builder, transformers, stage, target, method, atol, rtol))
+    flow = (_Flow.TORCH_EXPORT if stage == Stage.TORCH_EXPORT
+            else _Flow.PROGRAM if target == Target.TORCH else _Flow.ONNX)
+    path.write_text(_script(module, shapes, builder, transformers, stage, flow, method, atol, rtol,
+                            capture or Capture()))
     note = (
         f"repro needs the model: {_class_name(type(module))} cannot be rebuilt automatically ({builder.why_not})"
         if builder.why_not else ""
@@ -191,16 +205,12 @@ def write_repro(
 
 
 def _script(
-    module: torch.nn.Module, shapes: ShapeModel, leaves: list[Any], builder: _Builder, transformers: bool,
-    stage: str, target: str, method: str, atol: float | None, rtol: float | None,
+    module: torch.nn.Module, shapes: ShapeModel, builder: _Builder, transformers: bool, stage: str, flow: _Flow,
+    method: str, atol: float | None, rtol: float | None, capture: Capture,
 ) -> str:
     """The text of repro.py, with only the functions its flow needs."""
-    flow = "torch.export" if stage == "torch.export" else "torch" if target == "torch" else "onnx"
-    constants = []
-    if flow != "onnx":
-        oblivious = _size_oblivious(shapes, leaves)
-        constants.append(f"SIZE_OBLIVIOUS = {oblivious}  # is a dynamic size 0 or 1 in the inputs?")
-    if flow != "torch.export":
+    constants = [f"SIZE_OBLIVIOUS, STRICT = {capture.oblivious}, {capture.strict}  # how the check captured the model"]
+    if flow != _Flow.TORCH_EXPORT:
         constants.append(f"ATOL, RTOL = {atol!r}, {rtol!r}  # None: pytest-exportobs' default for the dtype")
     return _SCRIPT.format(
         model=type(module).__qualname__, stage=stage,
@@ -213,14 +223,14 @@ def _script(
     )
 
 
-def _imports(flow: str, builder: _Builder, transformers: bool) -> str:
+def _imports(flow: _Flow, builder: _Builder, transformers: bool) -> str:
     """Import lines grouped as isort does: standard, third party, the model's, pytest-exportobs."""
     standard = ["import json"] * (builder.config is not None) + ["import pathlib", "import sys"]
-    third_party = ["import onnx", "import onnxruntime"] * (flow == "onnx") + [
+    third_party = ["import onnx", "import onnxruntime"] * (flow == _Flow.ONNX) + [
         "import torch", "from torch.utils import _pytree"]
     ours = [f"from pytest_exportobs import {'register_flattening_functions' if transformers else 'export_patches'}"] + [
-        "from pytest_exportobs.engine.explore.localize import localize"] * (flow == "onnx") + [
-        "from pytest_exportobs.engine.verify.compare import Tolerance, compare"] * (flow != "torch.export")
+        "from pytest_exportobs.engine.explore.localize import localize"] * (flow == _Flow.ONNX) + [
+        "from pytest_exportobs.engine.verify.compare import Tolerance, compare"] * (flow != _Flow.TORCH_EXPORT)
     return "\n\n".join("\n".join(group) for group in (standard, third_party, builder.imports, ours) if group)
 
 
@@ -350,15 +360,6 @@ def _node_types(spec: _pytree.TreeSpec) -> list[type]:
     if spec.is_leaf():
         return []
     return [spec.type, *(t for child in spec_children(spec) for t in _node_types(child))]
-
-
-def _size_oblivious(shapes: ShapeModel, leaves: list[Any]) -> bool:
-    """True when a dynamic dimension is 0 or 1 in ``leaves``: torch.export would specialize it."""
-    return any(
-        leaf.shape[dim] < 2
-        for leaf, axes in zip(leaves, shapes.leaf_axes()) if isinstance(leaf, torch.Tensor)
-        for dim in axes
-    )
 
 
 def _literal(value: Any, indent: int) -> str:

@@ -25,6 +25,7 @@ from .binding import (
     UnsupportedInput,
     bind_all,
     is_absent,
+    is_opaque,
     missing_by_name,
     per_call_constants,
     uniform_constant,
@@ -38,8 +39,9 @@ class Slot:
     """One argument of the aligned calls.
 
     ``start``/``stop`` delimit its leaves in the flat list of a call; a constant slot has no
-    leaf and holds ``constant``.  ``var_keyword`` marks an extra keyword collected by
-    ``**kwargs``; ``var_positional`` the ``*args`` tuple.
+    leaf and holds ``constant``, an ``opaque`` one (see :func:`~.binding.is_opaque`) the first
+    value the calls passed, whatever the others passed.  ``var_keyword`` marks an extra keyword
+    collected by ``**kwargs``; ``var_positional`` the ``*args`` tuple.
     """
 
     name: str
@@ -50,6 +52,7 @@ class Slot:
     is_constant: bool = False
     var_positional: bool = False
     var_keyword: bool = False
+    opaque: bool = False
 
     @property
     def stop(self) -> int:
@@ -110,7 +113,7 @@ class AlignedCalls:
         start = 0
         for slot in self.slots:
             if slot.is_constant:
-                if constants is None:
+                if constants is None or slot.opaque:
                     kept_slots.append(slot)
                 elif slot.name in constants:
                     kept_slots.append(dataclasses.replace(slot, constant=constants[slot.name]))
@@ -157,6 +160,10 @@ class AlignedCalls:
     def constants(self) -> dict[str, Any]:
         """The constant (non-tensor) arguments the calls share, by name."""
         return {s.name: s.constant for s in self.slots if s.is_constant}
+
+    def opaque_arguments(self) -> dict[str, Any]:
+        """The arguments bound as the tests passed them (see :func:`~.binding.is_opaque`), by name."""
+        return {s.name: s.constant for s in self.slots if s.opaque}
 
     def split_arguments(
         self, leaves: Sequence[Any], constants: bool = True
@@ -255,6 +262,11 @@ def align_calls(
     for sv in slots_values:
         values = [missing.get(sv.name) if is_absent(v) else v for v in sv.values]
         if all(is_absent(v) for v in values):
+            continue
+        if all(is_absent(v) or is_opaque(v) for v in values):
+            passed = next(v for v in values if not is_absent(v))
+            slots.append(Slot(sv.name, None, (), 0, passed, True, sv.var_positional, sv.var_keyword, opaque=True))
+            positional = False
             continue
         if any(isinstance(v, CONSTANT_TYPES) for v in values):
             if mixed_constants:

@@ -88,6 +88,24 @@ def bind_all(calls: Sequence[tuple[tuple, dict]], signature: inspect.Signature) 
     return list(by_name.values())
 
 
+def is_opaque(value: Any) -> bool:
+    """Whether an argument is no graph input: neither a tensor, a constant, array data (a numpy
+    array, anything exposing ``__array__`` or ``__dlpack__``: data to convert) nor a pytree
+    holding one, but an object only Python uses (a ``torch.Generator``, a callback, a logger).  It
+    is bound as the tests passed it."""
+    if value is None or isinstance(value, (torch.Tensor, *CONSTANT_TYPES)):
+        return False
+    leaves = _pytree.tree_leaves(value)
+    return bool(leaves) and not any(isinstance(leaf, (torch.Tensor, *CONSTANT_TYPES, type(None)))
+                                    or hasattr(leaf, "__array__") or hasattr(leaf, "__dlpack__") for leaf in leaves)
+
+
+def value_text(value: Any) -> str:
+    """What a key or a report reads of a non-tensor value: a constant's ``repr``, an opaque
+    object's type (its ``repr`` holds an address, another in every run)."""
+    return f"<{type(value).__module__}.{type(value).__qualname__}>" if is_opaque(value) else repr(value)
+
+
 def is_absent(value: Any) -> bool:
     if value is None:
         return True

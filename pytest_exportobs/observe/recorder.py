@@ -15,6 +15,7 @@ from torch.utils import _pytree
 
 from ..core.trees import detached_clone, flattening_context
 from .alignment import AlignedCalls, align_calls
+from .binding import value_text
 from .interception import intercepted
 from .structures import structure_families
 
@@ -66,7 +67,7 @@ def call_signature(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, tuple[in
         leaves, spec = _pytree.tree_flatten((args, kwargs))
         tensors = tuple(t for t in leaves if isinstance(t, torch.Tensor))
         structure = (str(spec), tuple(
-            (t.dtype, t.dim()) if isinstance(t, torch.Tensor) else (type(t), repr(t)) for t in leaves))
+            (t.dtype, t.dim()) if isinstance(t, torch.Tensor) else (type(t), value_text(t)) for t in leaves))
     return structure, tuple(d for t in tensors for d in t.shape)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-from .binding import CONSTANT_TYPES, bind_all, is_absent
+from .binding import CONSTANT_TYPES, bind_all, is_absent, is_opaque
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -30,7 +30,7 @@ def structure_families(calls: Sequence[Call], signature: inspect.Signature) -> l
     keys: list[dict[str, Any]] = [{} for _ in calls]
     for sv in bind_all(calls, signature):
         for key, value in zip(keys, sv.values):
-            if not is_absent(value) and not isinstance(value, CONSTANT_TYPES):
+            if not is_absent(value) and not isinstance(value, CONSTANT_TYPES) and not is_opaque(value):
                 key[sv.name] = _structure_key(value)
     families: list[tuple[dict[str, Any], list[int]]] = []
     for index, key in enumerate(keys):
@@ -49,7 +49,8 @@ def structure_difference(first: Call, other: Call, signature: inspect.Signature)
     parts = []
     for sv in bind_all([first, other], signature):
         a, b = sv.values
-        if is_absent(a) or is_absent(b) or isinstance(b, CONSTANT_TYPES) or _structure_key(a) == _structure_key(b):
+        if (is_absent(a) or is_absent(b) or isinstance(b, CONSTANT_TYPES) or is_opaque(b)
+                or _structure_key(a) == _structure_key(b)):
             continue
         if isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor):
             rank = [f"rank {b.dim()}"] * (a.dim() != b.dim())

@@ -19,6 +19,7 @@ import torch
 from ..core.text import identifier
 from ..core.vocabulary import AxisRole, StandIn
 from ..observe.alignment import AlignedCalls
+from ..observe.binding import value_text
 from .dims import Axis, Relation, Variable, Window
 from .inference import AS_OBSERVED, DimPolicy, derive_relations, forced_batch_axes, infer_variables, role_relations
 from .naming import name_variables
@@ -52,6 +53,8 @@ class ShapeModel:
         variables = infer_variables(aligned, forced, policy)
         notes: list[str] = []
         relations = role_relations(variables) if policy.roles else []
+        notes += [f"{name} ({value_text(value)}) bound as the tests passed it: an object only Python uses is no "
+                  "graph input" for name, value in aligned.opaque_arguments().items()]
         if aligned.n_calls < 2:
             notes.append("one observed call: no relation between dimensions can be inferred")
         else:

@@ -744,34 +744,43 @@ def test_one_dimensional_targets_follow_the_batch(tmp_path: Path) -> None:
                            "end_positions": {"0": "batch"}}
 
 
-def test_a_kernel_onnxruntime_lacks_is_verified_by_onnxs_reference_evaluator_naming_op_and_dtype(
-        tmp_path: Path) -> None:
+def test_a_kernel_onnxruntime_lacks_is_run_widened_to_float32_naming_op_and_dtype(tmp_path: Path) -> None:
+    model = MLP().to(torch.bfloat16).eval()
+    result = check_model(observed(model, (torch.randn(2, 8, dtype=torch.bfloat16),)), settings(tmp_path))
+    assert (result.verdict, result.runtimes) == ("passed", ["onnxruntime-float32"]), result.reason
+    (note,) = [n for n in result.notes if n.startswith("run by onnxruntime in float32, each op's outputs rounded to "
+                                                       "their half-precision type")]
+    assert note.endswith(") in bfloat16") and "has no kernel for " in note
+    assert result.max_abs < 0.0078  # under one bfloat16 unit at 1: computed as torch's bfloat16 kernels compute
+
+
+def test_a_graph_onnxruntime_cannot_run_even_widened_goes_to_the_reference_evaluator_within_its_limits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_exportobs.engine.verify import runtimes
+
+    def unloadable(path: Any) -> None:
+        raise RuntimeError("no session")
+
+    monkeypatch.setattr(runtimes, "WidenedRunner", unloadable)
     model = MLP().to(torch.bfloat16).eval()
     result = check_model(observed(model, (torch.randn(2, 8, dtype=torch.bfloat16),)), settings(tmp_path))
     assert (result.verdict, result.runtimes) == ("passed", ["onnx-reference"]), result.reason
     (note,) = [n for n in result.notes if n.startswith("run by onnx's reference evaluator: ")]
-    assert note.endswith(") in bfloat16") and "has no kernel for " in note
-    assert 0 < result.max_abs <= 0.02  # bfloat16's rounding, within its tolerance
-
-
-def test_a_graph_too_large_for_the_reference_evaluator_stays_skipped_with_the_reason(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_exportobs.engine.verify import runtimes
-
+    assert note.endswith("in bfloat16; widened to float32 it cannot run either (RuntimeError: no session)"), note
     monkeypatch.setattr(runtimes, "MAX_REFERENCE_NODES", 1)
-    model = MLP().to(torch.bfloat16).eval()
-    result = check_model(observed(model, (torch.randn(2, 8, dtype=torch.bfloat16),)), settings(tmp_path))
+    result = check_model(observed(model, (torch.randn(2, 8, dtype=torch.bfloat16),)), settings(tmp_path / "limit"))
     assert (result.verdict, result.stage, result.kind) == ("skipped", "ort-load", "runtime"), result.reason
     assert result.reason.startswith("onnxruntime's CPUExecutionProvider has no kernel for ")
-    assert (" in bfloat16, and onnx's reference evaluator runs no graph of 3 nodes, over the reference evaluator's "
-            "limit of 1: the ONNX was written and checked but cannot run here") in result.reason
+    assert (" in bfloat16; widened to float32 it cannot run either (RuntimeError: no session), and onnx's reference "
+            "evaluator runs no graph of 3 nodes, over the reference evaluator's limit of 1: the ONNX was written and "
+            "checked but cannot run here") in result.reason
     assert Path(result.onnx_path).is_file()
 
 
-def test_a_wrong_translation_of_a_bfloat16_graph_fails_under_the_reference_evaluator(
+def test_a_wrong_translation_of_a_bfloat16_graph_fails_run_widened(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A translation of ``relu`` that doubles: onnxruntime cannot run the bfloat16 graph, onnx's
-    reference evaluator does and finds it wrong."""
+    """A translation of ``relu`` that doubles: onnxruntime cannot run the bfloat16 graph, widened to
+    float32 it does and finds it wrong; the model in float64 does not excuse it."""
     from pytest_exportobs.compat import torch_private
     from pytest_exportobs.engine.export import pipeline
 
@@ -787,7 +796,8 @@ def test_a_wrong_translation_of_a_bfloat16_graph_fails_under_the_reference_evalu
     model = MLP().to(torch.bfloat16).eval()
     result = check_model(observed(model, (torch.randn(2, 8, dtype=torch.bfloat16),)), settings(tmp_path))
     assert (result.verdict, result.stage, result.kind, result.runtimes) == (
-        "failed", "verify", "mismatch", ["onnx-reference"]), result.reason
+        "failed", "verify", "mismatch", ["onnxruntime-float32"]), result.reason
+    assert "; first diverging op: Relu, Mul (node_relu) from aten.relu.default at tests/models.py:" in result.reason
 
 
 def test_checks_forked_after_prepare_inherit_the_registry_with_this_packages_translations(
@@ -1370,12 +1380,13 @@ class Patches(torch.nn.Module):
         return self.conv(pixel_values).flatten(2)
 
 
-def test_a_bfloat16_conv_onnxruntime_types_out_is_verified_by_the_reference_evaluator(tmp_path: Path) -> None:
+def test_a_bfloat16_conv_onnxruntime_types_out_is_run_widened_to_float32(tmp_path: Path) -> None:
     model = Patches().to(torch.bfloat16).eval()
     result = check_model(observed(model, (torch.randn(2, 3, 16, 16, dtype=torch.bfloat16),)), settings(tmp_path))
-    assert (result.verdict, result.runtimes) == ("passed", ["onnx-reference"]), result.reason
-    assert any(n.startswith("run by onnx's reference evaluator: onnxruntime's CPUExecutionProvider has no "
-                            "kernel for Conv (node ") and "at the graph's opset in bfloat16" in n for n in result.notes)
+    assert (result.verdict, result.runtimes) == ("passed", ["onnxruntime-float32"]), result.reason
+    assert any(n.startswith("run by onnxruntime in float32, each op's outputs rounded to their half-precision type (as "
+                            "a half-precision kernel computes): onnxruntime's CPUExecutionProvider has no kernel for "
+                            "Conv (node ") and "at the graph's opset in bfloat16" in n for n in result.notes)
 
 
 def test_decoder_outputs_of_an_encoder_decoder_read_the_decoder_mask() -> None:

@@ -30,7 +30,7 @@ from ..base.frames import quoted_model_line
 from ..base.origins import STACK_TRACE
 from ..export.onnx_stages import decompose
 from ..verify.compare import Tolerance, compare
-from ..verify.runtimes import OnnxRunner, ReferenceRunner
+from ..verify.runtimes import OnnxRunner, ReferenceRunner, WidenedRunner
 
 MAX_NODES = 20_000  # ONNX nodes of a graph localized (every value of the graph is kept in memory)
 TOP = 5  # nodes reported beside the first one beyond tolerance
@@ -231,7 +231,11 @@ def _onnx_dtype(dtype: torch.dtype) -> int:
 
 def _run(model: Any, feeds: dict[str, torch.Tensor], names: Sequence[str], runtime: Runtime) -> dict[str, Any]:
     """The values ``names`` of ``model`` run on ``feeds`` by the runtime the graph was verified with."""
-    runner = ReferenceRunner(model) if runtime == Runtime.REFERENCE else OnnxRunner(model)
+    runner: OnnxRunner | WidenedRunner | ReferenceRunner
+    if runtime == Runtime.REFERENCE:
+        runner = ReferenceRunner(model)
+    else:
+        runner = WidenedRunner(model) if runtime == Runtime.WIDENED else OnnxRunner(model)
     inputs = [feeds[name] for name in runner.input_names]
     return dict(zip(names, runner(inputs), strict=True))
 
@@ -241,7 +245,7 @@ def _node_error(
     introduced: Any, accumulated: Any, tolerance: Tolerance,
 ) -> NodeError | None:
     """The errors of value ``name``; ``None`` when ONNX's value does not hold torch's (another shape)."""
-    own, total = torch.as_tensor(np.asarray(introduced)), torch.as_tensor(np.asarray(accumulated))
+    own, total = _tensor(introduced), _tensor(accumulated)
     if own.numel() != expected.numel():
         return None
     own, total = own.reshape(expected.shape), total.reshape(expected.shape)
@@ -281,3 +285,8 @@ def _ratio(error: NodeError, tolerance: Tolerance) -> float:
 
 def _is_reduction(torch_op: str) -> bool:
     return any(word in torch_op for word in REDUCTIONS)
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    """A runtime's output as a tensor (numpy has no bfloat16: a widened graph's come as tensors)."""
+    return value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))

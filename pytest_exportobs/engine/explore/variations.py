@@ -54,6 +54,7 @@ from ...shapes.synthesis import (
 )
 from ..base.eager import ModelRaised
 from ..export.domain import satisfied
+from ..verify.arbiter import Float64Model
 from ..verify.compare import Discrepancy, OutputLayout, Tolerance, run_and_compare
 
 if TYPE_CHECKING:
@@ -74,13 +75,15 @@ class VariationOutcome:
 
     ``tried`` counts distinct examples run (generation and shrinking), ``valid`` those eager
     accepts, ``invalid`` those eager rejects, ``failed`` the valid ones the exported model got
-    wrong.  ``examples`` lists the free sizes tried, in order.
+    wrong, ``rounded`` the valid ones it got right where eager rounds (the model in float64
+    decided).  ``examples`` lists the free sizes tried, in order.
     """
 
     tried: int = 0
     valid: int = 0
     invalid: int = 0
     failed: int = 0
+    rounded: int = 0
     failing_sizes: Sizes | None = None
     max_abs: float | None = None
     detail: str = ""
@@ -143,6 +146,7 @@ def explore(
     pad_token_id: int | None = None,
     asserted: Sequence[Any] = (),
     storage_dir: Path | None = None,
+    float64: Float64Model | None = None,
 ) -> VariationOutcome:
     """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them, then,
     unless one failed, the largest (every free size at the high of its range, whatever
@@ -152,12 +156,13 @@ def explore(
     is invalid: outside the domain of the export, whatever eager makes of it); ``storage_dir``:
     hypothesis' own storage (the constants it reads from the sources of the local modules, cached
     by their hash), ``database_dir`` unless given: one for a session spares each check reading
-    every local module again."""
+    every local module again; ``float64``: the model in float64, which judges a mismatch (see
+    :mod:`..verify.arbiter`)."""
     from hypothesis import find, strategies
     from hypothesis.errors import NoSuchExample, Unsatisfiable
 
     ranges = size_ranges(shapes, recorded_only=recorded_only)
-    trials = _Trials(eager, run, shapes, tolerance, recipes(shapes, pad_token_id), outputs, list(asserted))
+    trials = _Trials(eager, run, shapes, tolerance, recipes(shapes, pad_token_id), outputs, list(asserted), float64)
     if not ranges or examples <= 0:
         return trials.outcome(None)
     traced = export_sizes(shapes)
@@ -213,6 +218,7 @@ class _Trials:
     leaf_recipes: list[Recipe]
     outputs: OutputLayout | None = None
     asserted: list[Any] = field(default_factory=list)  # see explore()
+    float64: Float64Model | None = None  # see explore()
     examples: list[Sizes] = field(default_factory=list)
     verdicts: list[Discrepancy | None] = field(default_factory=list)  # None: invalid
     ran: list[int] = field(default_factory=list)  # per example, which of its candidates eager took
@@ -265,7 +271,8 @@ class _Trials:
                 expected = self.eager(detached_clone(leaves))
             except ModelRaised:  # eager rejects these inputs: not the export's fault
                 continue
-            return run_and_compare(self.run, leaves, expected, self.tolerance, outputs=self.outputs), index
+            return run_and_compare(self.run, leaves, expected, self.tolerance, outputs=self.outputs,
+                                   float64=self.float64), index
         return None, -1
 
     def outcome(self, minimal: Sizes | None) -> VariationOutcome:
@@ -273,6 +280,7 @@ class _Trials:
         outcome = VariationOutcome(
             tried=len(self.examples), valid=len(self.examples) - invalid, invalid=invalid,
             failed=sum(v is not None and not v.ok for v in self.verdicts), examples=self.examples,
+            rounded=sum(v is not None and v.float64 is not None for v in self.verdicts),
         )
         if minimal is not None:
             index = self.examples.index(minimal)

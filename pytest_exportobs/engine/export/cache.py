@@ -40,6 +40,7 @@ from ...core.configuration import configuration_text
 from ...core.files import FileMark, copy_atomic, write_atomic
 from ...core.versions import package_versions
 from ...core.vocabulary import Kind, Stage
+from ...observe.binding import value_text
 from ...shapes.model import ShapeModel
 from .domain import Refinement
 
@@ -50,7 +51,7 @@ from .domain import Refinement
 # cache copied or restored in CI keeps, not by its inode and modification time; 8: failed exports
 # kept, the plugin's code in every key; 9: the graph file's size and time beside its digest, the
 # order of a graph's outputs)
-ENTRY_FORMAT = 9
+ENTRY_FORMAT = 10
 
 
 @dataclass
@@ -72,8 +73,9 @@ class ExportFailure:
 @dataclass
 class TraceEntry:
     """What a trace established: the key of its graph entry (``""`` when it failed), notes, the
-    refinements of the shape model, the names of the graph's outputs, how torch was given the dims
-    and the export's ``failure``, if it failed."""
+    refinements of the shape model, the names of the graph's outputs, how torch was given the dims,
+    the export's ``failure``, if it failed, and how torch.export captured the program (``strict``,
+    ``oblivious``: see :class:`~.tracing.Capture`)."""
 
     graph: str
     notes: list[str] = field(default_factory=list)
@@ -81,6 +83,8 @@ class TraceEntry:
     outputs: list[str] = field(default_factory=list)
     dims_form: str = ""
     failure: ExportFailure | None = None
+    strict: bool = False
+    oblivious: bool = True
 
 
 @dataclass
@@ -131,7 +135,7 @@ class ExportCache:
         dtypes and shapes of the weights (not their values), the values of tensors held as plain
         attributes, package versions, the plugin's code, patches and :data:`ENTRY_FORMAT`."""
         digest = _module_digest(module)
-        constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
+        constants = sorted((k, value_text(v)) for k, v in shapes.aligned.constants().items())
         digest.update(json.dumps([method, shapes.aligned.leaf_names, constants]).encode())
         digest.update(json.dumps(shapes.to_json(), sort_keys=True).encode())
         digest.update(call_structure(args, kwargs).encode())
@@ -196,7 +200,7 @@ class ExportCache:
         :meth:`trace_key`, the method, the constant arguments, the shape model and its calls'
         leaves (dtypes and shapes), package versions, the plugin's code, patches and :data:`ENTRY_FORMAT`."""
         digest = _module_digest(module)
-        constants = sorted((k, repr(v)) for k, v in shapes.aligned.constants().items())
+        constants = sorted((k, value_text(v)) for k, v in shapes.aligned.constants().items())
         described = [method, shapes.aligned.leaf_names, constants, shapes.to_json()]
         digest.update(json.dumps(described, sort_keys=True).encode())
         for index in range(shapes.aligned.n_calls):
@@ -289,10 +293,11 @@ def _module_digest(module: torch.nn.Module) -> Any:
 
 
 def call_structure(args: tuple, kwargs: dict) -> str:
-    """The tree of ``args`` and ``kwargs``, tensors by dtype and shape, other leaves by value:
-    what the keys read of a call."""
+    """The tree of ``args`` and ``kwargs``, tensors by dtype and shape, other leaves by value
+    (an opaque object by type): what the keys read of a call."""
     flat, spec = _pytree.tree_flatten((args, kwargs))
-    return f"{spec}{[(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in flat]!r}"
+    described = [repr((t.dtype, tuple(t.shape))) if isinstance(t, torch.Tensor) else value_text(t) for t in flat]
+    return f"{spec}[{', '.join(described)}]"
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

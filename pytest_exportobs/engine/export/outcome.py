@@ -16,7 +16,7 @@ from ..base.environment import EnvironmentProblem
 from ..base.reasons import one_line_reason
 from ..base.result import ExportFiles
 from .domain import Refinement
-from .tracing import Example, Specialized
+from .tracing import Capture, Example, Specialized
 
 
 @dataclass
@@ -44,6 +44,7 @@ class ExportOutcome(ExportFiles):
     refinements: list[Refinement] = field(default_factory=list)  # what the export established
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
     trace_key: str = ""  # the export cache's key of the trace ("" without a cache)
+    capture: Capture | None = None  # how torch.export captured the program (None: not traced here)
     # for each output of the ONNX file, the index of the traced program's output it is (empty: the same order)
     output_order: list[int] = field(default_factory=list)
 

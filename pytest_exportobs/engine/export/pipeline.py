@@ -29,8 +29,8 @@ from ...core.trees import spec_paths
 from ...core.vocabulary import Stage, Target
 from ...shapes.model import ShapeModel
 from ..base.environment import EnvironmentProblem, writing
-from .bound import bind_constants
 from .cache import ExportCache, ExportFailure, GraphEntry, GraphHit, TraceEntry, call_structure, module_state
+from .capturing import begin, captured
 from .domain import (
     Refinement,
     Shape,
@@ -46,8 +46,8 @@ from .domain import (
 from .onnx_stages import check_onnx, decompose, finish, save_with_weights, translate
 from .outcome import ExportOutcome, StageFailed, Stages
 from .probe import SizeProbe
-from .trace_inputs import example_to_trace, other_examples, planned_example
-from .tracing import Capture, Example, Specialized, Traced, reproduces, trace
+from .trace_inputs import example_to_trace, planned_example
+from .tracing import Capture
 from .tracing_patches import NO_PATCHES, TracingPatches
 from .translations import custom_translations
 
@@ -62,7 +62,7 @@ def export_model(
     ``onnx_path``, ``torch`` stops after torch.export.  The shape model is refined with what torch
     proved (equal dims, multiples of 2...).  The ``probe`` runs eager at sizes torch's bounds
     exclude (``None``: bounds are not checked)."""
-    outcome, exported = _begin(module, shapes, method)
+    outcome, exported = begin(module, shapes, method)
     stages = Stages(outcome)
     cached = cache if target == Target.ONNX else None
     planned = None
@@ -81,7 +81,7 @@ def export_model(
             return outcome
     try:
         with stages.run(Stage.TORCH_EXPORT):
-            traced = _trace(exported, shapes, outcome, probe, patches)
+            traced = captured(exported, shapes, outcome, probe, patches)
         refined = [*made_static(shapes, traced.shapes), *traced.splits]  # already in traced.shapes
         program, outcome.dims_form = traced.program, traced.form
         outcome.program = program
@@ -95,30 +95,13 @@ def export_model(
         graph = _to_onnx(stages, program, names, onnx_path, outcome, cache, module_state(exported))
         outcome.dims = _onnx_dims(final, onnx_path, outcome)
         if cache is not None:
-            entry = TraceEntry(graph, traced_notes, outcome.refinements, outcome.outputs, outcome.dims_form)
+            entry = TraceEntry(graph, traced_notes, outcome.refinements, outcome.outputs, outcome.dims_form, None,
+                               *_capture_fields(outcome))
             _keep(outcome, cache, lambda: cache.store_trace(key, entry))
     except StageFailed:
         if cached is not None and (failed := _failed_entry(shapes, outcome)) is not None:
             _keep(outcome, cached, lambda: cached.store_trace(outcome.trace_key, failed))
     return outcome
-
-
-def traced_program(
-    module: torch.nn.Module, shapes: ShapeModel, method: str = "forward", patches: TracingPatches = NO_PATCHES,
-) -> torch.export.ExportedProgram:
-    """The program torch.export traces, as :func:`export_model` traces it (a graph whose ONNX
-    file came from the export cache, traced again to localize a mismatch); raises on failure."""
-    outcome, exported = _begin(module, shapes, method)
-    outcome.example = example_to_trace(getattr(module, method), shapes, not outcome.bound, outcome.notes)
-    return _trace(exported, shapes, outcome, None, patches).program
-
-
-def _begin(module: torch.nn.Module, shapes: ShapeModel, method: str) -> tuple[ExportOutcome, torch.nn.Module]:
-    """A fresh outcome, and the module to export (constants bound)."""
-    outcome = ExportOutcome(ok=True, stage=Stage.TORCH_EXPORT, shapes=shapes)
-    exported = bind_constants(module, method, shapes.aligned)
-    outcome.bound = exported is not module
-    return outcome, exported
 
 
 def _keep(outcome: ExportOutcome, cache: ExportCache, store: Callable[[], None]) -> None:
@@ -130,64 +113,6 @@ def _keep(outcome: ExportOutcome, cache: ExportCache, store: Callable[[], None])
         note = f"the export cache {cache.directory} cannot be written ({e}): the next run exports again"
         if note not in outcome.notes:
             outcome.notes.append(note)
-
-
-def _trace(
-    module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, probe: SizeProbe | None,
-    patches: TracingPatches,
-) -> Traced:
-    """:func:`_trace_pinned` captured non-strict; when that fails with an error (not a dim torch
-    pins), captured strict, as torch.onnx.export falls back to: TorchDynamo takes some Python
-    the non-strict capture cannot (``int(lengths.max().item())``), and the graph is verified as
-    any other.  The non-strict error stands when the strict capture fails too."""
-    try:
-        return _trace_pinned(module, shapes, outcome, probe, Capture(patches))
-    except (Specialized, EnvironmentProblem):
-        raise
-    except Exception as error:
-        notes = list(outcome.notes)
-        try:
-            traced = _trace_pinned(module, outcome.shapes, outcome, probe, Capture(patches, strict=True))
-        except Exception:
-            outcome.notes[:] = notes
-            raise error from None
-        outcome.notes.append(f"captured by torch.export(strict=True), torch.onnx.export's fallback: the non-strict "
-                             f"capture failed ({error_line(error)})")
-        return traced
-
-
-def _trace_pinned(
-    module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, probe: SizeProbe | None, capture: Capture,
-) -> Traced:
-    """:func:`~.tracing.trace` on the example; when torch pins a dim at the size the example
-    happens to have (a size the model treats specially: DINOv2 skips its position interpolation
-    at the config's image size), traced again on recorded calls of other sizes, then on inputs
-    synthesized at another size, before failing.  The pin stands as soon as another size is
-    pinned at the same line: that line pins every size (Mamba's ``for i in range(seq_len)``), not
-    the one the example happened to have.  ``outcome.shapes`` follows the refinements made on the
-    way, a failure's included."""
-    assert outcome.example is not None
-    try:
-        return trace(module, shapes, outcome.example, not outcome.bound, outcome.notes, probe, capture)
-    except Specialized as pinned:
-        outcome.shapes = shapes = pinned.shapes
-        if not pinned.retrace:
-            raise
-        for what, leaves in other_examples(shapes, outcome.example, pinned.name, probe):
-            example = Example.of(shapes, leaves, constants=not outcome.bound)
-            try:
-                found = trace(module, shapes, example, not outcome.bound, outcome.notes, probe, capture, pinned)
-            except Specialized as again:
-                outcome.shapes = shapes = again.shapes
-                if again.pins_as(pinned):
-                    break
-                continue
-            if not reproduces(found.program, module, outcome.example):
-                break  # the size is special for the model, not only for the trace: the pin stands
-            outcome.example = example
-            outcome.notes.append(f"traced on {what}: on the first example torch pinned {pinned}")
-            return found
-        raise
 
 
 def _refine(
@@ -320,7 +245,14 @@ def _failed_entry(shapes: ShapeModel, outcome: ExportOutcome) -> TraceEntry | No
     if apply_refinements(shapes, found)[0].to_json() != outcome.shapes.to_json():
         return None
     failure = ExportFailure(outcome.stage, outcome.kind, outcome.error_type, outcome.reason, outcome.traceback)
-    return TraceEntry("", list(outcome.notes), found, outcome.outputs, outcome.dims_form, failure)
+    return TraceEntry("", list(outcome.notes), found, outcome.outputs, outcome.dims_form, failure,
+                      *_capture_fields(outcome))
+
+
+def _capture_fields(outcome: ExportOutcome) -> tuple[bool, bool]:
+    """How the program was captured, as a trace entry keeps it: ``strict``, ``oblivious``."""
+    capture = outcome.capture or Capture()
+    return capture.strict, capture.oblivious
 
 
 def _load_traced(
@@ -362,6 +294,7 @@ def _restore(entry: TraceEntry, shapes: ShapeModel, outcome: ExportOutcome) -> N
     the outputs' names and how torch was given the dims (a cache hit)."""
     outcome.cache_hit = True
     outcome.refinements, outcome.outputs, outcome.dims_form = entry.refinements, entry.outputs, entry.dims_form
+    outcome.capture = Capture(strict=entry.strict, oblivious=entry.oblivious)
     outcome.shapes, _ = apply_refinements(shapes, entry.refinements)
 
 

@@ -98,11 +98,19 @@ class Traced:
 class Capture:
     """How torch.export captures a model: under the export ``patches``, non-strict (what
     torch.onnx.export tries first) or ``strict`` (its fallback, TorchDynamo capturing the model's
-    Python: ``int(lengths.max().item())`` becomes an unbacked size there); always without what
-    buys a trace nothing (``compat.lean_tracing``)."""
+    Python: ``int(lengths.max().item())`` becomes an unbacked size there), with sizes 0 and 1
+    taken as any other (``oblivious``, what torch.onnx.export sets) or as torch.export alone
+    takes them (where the size-oblivious capture cannot prove what the model assumes: a mask's
+    batch ratio of 1); always without what buys a trace nothing (``compat.lean_tracing``)."""
 
     patches: TracingPatches = NO_PATCHES
     strict: bool = False
+    oblivious: bool = True
+
+    def __str__(self) -> str:
+        """``torch.export(strict=True)``, ``torch.export without size-oblivious sizes``..."""
+        return f"torch.export({'strict=True' if self.strict else ''})" + (
+            "" if self.oblivious else " without size-oblivious sizes")
 
     def export(self, module: torch.nn.Module, example: Example, dynamic_shapes: Any,
                **options: Any) -> torch.export.ExportedProgram:
@@ -132,7 +140,7 @@ def trace(
     that export fails alike at any size.  Raises :class:`Specialized`, or torch's error."""
     splits: list[Refinement] = []
     spec = spec_api() is not None and pinned is None
-    with capturing(), logged_specializations() as specializations:
+    with capturing(capture.oblivious), logged_specializations() as specializations:
         while True:
             program = _spec_export(module, shapes, example, constants, notes, capture) if spec else None
             form = "Dim" if program is None else "ShapesSpec"
@@ -254,11 +262,11 @@ def _torch_export(
 
 
 @contextlib.contextmanager
-def capturing() -> Iterator[None]:
+def capturing(oblivious: bool = True) -> Iterator[None]:
     """What ``torch.onnx.export`` enters around torch.export: size-oblivious sizes (0 and 1 are
-    not specialized) and, where this torch has them, the RNN decompositions into a while loop
-    that keep a GRU's or an LSTM's sequence dynamic."""
-    with size_oblivious(), rnn_while_loops():
+    not specialized; ``oblivious``) and, where this torch has them, the RNN decompositions into a
+    while loop that keep a GRU's or an LSTM's sequence dynamic."""
+    with size_oblivious() if oblivious else contextlib.nullcontext(), rnn_while_loops():
         yield
 
 

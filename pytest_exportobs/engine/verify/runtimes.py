@@ -1,11 +1,13 @@
-"""What runs an exported graph on the flat leaves of a call: onnxruntime, onnx's reference
-evaluator where onnxruntime cannot (half precision on a CPU), or the exported program itself
+"""What runs an exported graph on the flat leaves of a call: onnxruntime, the same with a
+half-precision graph widened to float32 where its CPU provider lacks a kernel, onnx's reference
+evaluator where onnxruntime cannot load even that, or the exported program itself
 (``--export-target torch``).
 
 onnxruntime's CPU provider lacks many float16/bfloat16 kernels (``Add``, ``Mul``, ``Where``) and
-crashes natively on some half-precision graphs; onnx's ``ReferenceEvaluator`` runs them, in
-numpy, slowly: a graph over :data:`MAX_REFERENCE_NODES` nodes or :data:`MAX_REFERENCE_WEIGHTS`
-weights is not run by it.
+crashes natively on some half-precision graphs; such a graph runs widened (see :mod:`.widening`:
+float32 inside each op, rounded at its outputs, as a half-precision kernel computes).  onnx's
+``ReferenceEvaluator`` runs the rest, in numpy, slowly: a graph over :data:`MAX_REFERENCE_NODES`
+nodes or :data:`MAX_REFERENCE_WEIGHTS` weights is not run by it.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from ...core.onnx_wire import element_types
 from ...core.text import error_line
 from ...core.vocabulary import Runtime
 from ...observe.alignment import AlignedCalls
+from .widening import widened
 
 # onnx.TensorProto FLOAT16, BFLOAT16: onnxruntime's CPU provider crashes natively on some such graphs
 HALF_PRECISION = frozenset({10, 16})
+_TORCH_DTYPES = {10: torch.float16, 16: torch.bfloat16}
+HALF_DTYPES = frozenset(_TORCH_DTYPES.values())
 MAX_REFERENCE_NODES = 3_000  # nodes of a graph onnx's reference evaluator runs (numpy, node by node)
 MAX_REFERENCE_WEIGHTS = 20_000_000  # values of its initializers
 
@@ -55,11 +60,13 @@ class Unrunnable(Exception):
         self.crash = crash
 
 
-def onnx_runner(path: Path, dtype: torch.dtype | None, notes: list[str]) -> OnnxRunner | ReferenceRunner:
+def onnx_runner(
+    path: Path, dtype: torch.dtype | None, notes: list[str],
+) -> OnnxRunner | WidenedRunner | ReferenceRunner:
     """onnxruntime's session for the graph, else (a kernel it lacks, a native crash on a half-
-    precision graph) onnx's reference evaluator, with a note saying why; raises
-    :class:`Unrunnable` when neither can run it (a graph too large for the evaluator, an op it
-    does not implement)."""
+    precision graph) the graph widened to float32 in onnxruntime, else onnx's reference
+    evaluator, with a note saying why; raises :class:`Unrunnable` when none can run it (a graph
+    too large for the evaluator, an op it does not implement)."""
     try:
         probe_load(path)
         return OnnxRunner(path)
@@ -67,6 +74,14 @@ def onnx_runner(path: Path, dtype: torch.dtype | None, notes: list[str]) -> Onnx
         crash = isinstance(gap, NativeCrash)
         why = (f"onnxruntime crashed natively ({gap}) creating a session for it, in a process of its own"
                if crash else gap.explain(dtype))  # type: ignore[union-attr]  # a RuntimeGap otherwise
+        try:
+            widened_runner = WidenedRunner(path)
+        except Exception as e:  # a graph onnx cannot infer, or onnxruntime cannot load widened
+            why += f"; widened to float32 it cannot run either ({error_line(e)})"
+        else:
+            notes.append(f"run by onnxruntime in float32, each op's outputs rounded to their half-precision type (as "
+                         f"a half-precision kernel computes): {why}")
+            return widened_runner
         too_large = ReferenceRunner.too_large(path)
         if too_large:
             raise Unrunnable(f"{why}, and onnx's reference evaluator runs no graph of {too_large}", crash) from gap
@@ -135,6 +150,29 @@ class OnnxRunner:
     def __call__(self, leaves: Sequence[Any]) -> list[np.ndarray]:
         feeds = dict(zip(self.input_names, _tensors(leaves, len(self.input_names))))
         return self.session.run(None, {name: t.detach().cpu().numpy() for name, t in feeds.items()})
+
+
+class WidenedRunner:
+    """onnxruntime running a half-precision graph widened to float32 (see :mod:`.widening`): fed the
+    flat leaves of an aligned call widened, its outputs narrowed to the types the graph declares."""
+
+    runtime = Runtime.WIDENED
+
+    def __init__(self, onnx_model_or_path: Any):
+        import onnx
+
+        model = onnx_model_or_path
+        if isinstance(model, (str, Path)):
+            model = onnx.load(str(model))
+        wide, types = widened(model)
+        self.session = OnnxRunner(wide)
+        self.input_names = self.session.input_names
+        self.output_dtypes = [_TORCH_DTYPES.get(t) for t in types]
+
+    def __call__(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
+        wide = [t.float() if isinstance(t, torch.Tensor) and t.dtype in HALF_DTYPES else t for t in leaves]
+        outputs = [_to_torch(np.asarray(o)) for o in self.session(wide)]
+        return [o.to(dtype) if dtype is not None else o for o, dtype in zip(outputs, self.output_dtypes)]
 
 
 class ReferenceRunner:
@@ -207,7 +245,7 @@ def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
 def _to_torch(array: np.ndarray) -> torch.Tensor:
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(array))
+    return torch.from_numpy(np.require(array, requirements="C"))  # a 0-d array stays one (not ascontiguousarray's)
 
 
 def program_runner(
