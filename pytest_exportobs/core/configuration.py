@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import types
 from typing import Any
+
+import torch
 
 # configuration entries that change which calls a model accepts: a model with another of these is
 # another model (its recorded calls may not run on the first); the rest (epsilons, dropout, output
@@ -15,8 +18,11 @@ MAXIMUM_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_se
                 "max_source_positions", "max_target_positions", "max_length")
 # where a configuration was loaded from, not what the model computes: transformers' tests load
 # models saved to a fresh temporary directory, a new ``_name_or_path`` in every run
-PROVENANCE_KEYS = frozenset({"_name_or_path", "_commit_hash"})
+PROVENANCE_KEYS = frozenset({"_name_or_path", "_commit_hash", "name_or_path"})
 ATTENTION_KEY = "_attn_implementation"  # in configuration_text: the attention implementations, private to transformers
+# module attributes that change nothing a model computes in eval mode without gradients
+INERT_WORDS = ("drop", "checkpointing")
+PLAIN = (int, float, bool, str, type(None))
 
 
 def configuration_text(module: Any) -> str:
@@ -76,3 +82,36 @@ def declared_maximum(module: Any, size: int) -> str:
             if get(key) == size:
                 return f"{key} = {size}"
     return ""
+
+
+def computation(module: Any) -> str:
+    """What each submodule computes with besides its weights, as text: its class and its public
+    attributes that are values (numbers, strings, tuples of them) or objects named by their class
+    (an attention processor, an activation function); not those inert in eval mode without
+    gradients (dropout rates, gradient checkpointing) nor where it was loaded from.  Two UNets of
+    one parameter layout whose attention heads or normalization groups differ compute differently:
+    their texts differ."""
+    parts = []
+    for name, sub in module.named_modules():
+        if any(word in type(sub).__name__.lower() for word in INERT_WORDS):
+            continue
+        described = sorted((key, _described(value)) for key, value in vars(sub).items() if _computes(key, value))
+        parts.append(f"{name}:{type(sub).__qualname__}{described}")
+    return "\n".join(parts)
+
+
+def _computes(key: str, value: Any) -> bool:
+    """Whether a module's attribute may change what it computes (see :func:`computation`)."""
+    return (not key.startswith("_") and key not in ("training", *PROVENANCE_KEYS)
+            and not isinstance(value, torch.nn.Module) and not any(word in key.lower() for word in INERT_WORDS))
+
+
+def _described(value: Any) -> str:
+    """A value as :func:`computation` reads it: plain values and tuples of them by ``repr``,
+    functions by name, other objects by class (tensors: their values are weights; lists and
+    dicts: state a model may change as it runs, a record of the batches it saw)."""
+    if isinstance(value, PLAIN) or (isinstance(value, tuple) and all(isinstance(v, PLAIN) for v in value)):
+        return repr(value)
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+        return f"{value.__module__}.{value.__qualname__}"
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"

@@ -35,7 +35,7 @@ from .base.settings import CheckSettings
 from .context import ModelContext
 from .export.tracing_patches import TracingPatches
 from .graph import GraphCheck
-from .planning import MAX_GRAPHS, GraphPlan, can_serve, plan_graphs, split_off
+from .planning import MAX_GRAPHS, GraphPlan, by_choice, can_serve, plan_graphs, split_off
 from .verify.compare import Tolerance
 from .verify.references import ReferenceFailed, references
 from .verify.resized import sides
@@ -255,8 +255,11 @@ class _ModelCheck:
                 continue
             number = first_graph + len(done)
             directory = context.model_dir / (f"graph{number}" if number else "")
-            check = GraphCheck(context, plan, joint.project(plan.calls, plan.slots), directory)
+            check = GraphCheck(context, plan, plan.shapes(joint), directory)
             check.run()
+            if check.choice:
+                queue.extendleft(reversed(by_choice(joint, plan, check.choice, check.why)))
+                continue
             done.append(check)
             for split in split_off(joint.aligned, plan, check.split):
                 missing = ", ".join(sorted(plan.slots - split.slots))

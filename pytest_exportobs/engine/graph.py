@@ -29,11 +29,11 @@ from .context import ModelContext
 from .diagnosis import Diagnosis
 from .explore.variations import VariationOutcome, explore
 from .export.cache import ExportCache
-from .export.domain import conditions
+from .export.domain import conditions, satisfied
 from .export.outcome import ExportOutcome
 from .export.pipeline import export_model
 from .export.probe import SizeProbe, probed_unvaried_dims
-from .planning import GraphPlan
+from .planning import GraphPlan, choice
 from .verify.compare import OutputLayout, float64_note, padded_note, verify_calls
 from .verify.references import Reproduction, refreshed, reproduction
 from .verify.runtimes import Unrunnable, onnx_runner, program_runner
@@ -58,6 +58,9 @@ class GraphCheck:
         self.asserted: list[Any] = []  # conditions on sizes the program asserts, the ONNX file does not check
         self.program: torch.export.ExportedProgram | None = None  # as traced (None: from the export cache)
         self.diagnosis = Diagnosis(context, self.result, directory)
+        # a choice of structure torch restricts (see planning.by_choice): the plan is planned again by it
+        self.choice, self.why = "", ""
+        self.result.notes.extend([plan.why] if plan.why else [])
 
     def run(self) -> GraphResult:
         """The stages in order: the first that ends the check (:class:`GraphEnded`) leaves the
@@ -153,6 +156,9 @@ class GraphCheck:
         result.hold_files(outcome)
         if outcome.example is not None:
             result.inputs = [self.shapes.aligned.leaf_names[leaf] for leaf in outcome.example.inputs]
+        if not outcome.ok and outcome.kind == Kind.SPECIALIZED and choice(self.shapes, outcome.pinned):
+            self.choice, self.why = outcome.pinned, f"torch.export pins it ({outcome.reason})"
+            raise GraphEnded
         if not outcome.ok:
             result.kind, result.reason, result.traceback = outcome.kind, outcome.reason, outcome.traceback
             self.diagnosis.repro(self.shapes)
@@ -220,6 +226,8 @@ class GraphCheck:
         bad = [d for d in found if not d.ok and d.index not in stood_in]
         if not bad:
             return
+        if self._excluded_choice([d.index for d in bad if d.kind in (Kind.MISMATCH, Kind.ERROR)]):
+            raise GraphEnded
         if self._evaluator_failed(next((d.detail for d in bad if d.kind == Kind.ERROR), "")):
             raise GraphEnded
         worst = max(bad, key=lambda d: d.max_abs)
@@ -240,6 +248,22 @@ class GraphCheck:
                                    values=worst.kind == Kind.MISMATCH)
         self.diagnosis.repro(self.shapes, leaves[worst.index])
         raise GraphEnded
+
+    def _excluded_choice(self, failing: list[int]) -> bool:
+        """Whether the calls ``failing`` (of the plan) fail because the graph asserts a condition
+        on a choice of structure that their sizes break (traced with 3 position sections, the
+        graph asserts ``Ne(sections, 4)`` and computes the other branch for 4): the plan is then
+        planned again by it (``self.choice``)."""
+        for condition in self.asserted:
+            symbols = [str(symbol) for symbol in condition.free_symbols]
+            var = next((v for v in self.shapes.variables if [v.name] == symbols), None)
+            if var is None or not failing or not choice(self.shapes, var.name):
+                continue
+            sizes = [var.values[i] for i in failing]
+            if all(size is not None and not satisfied([condition], {var.name: size}) for size in sizes):
+                self.choice, self.why = var.name, f"the graph torch traced asserts {condition}"
+                return True
+        return False
 
     def _evaluator_failed(self, error: str) -> bool:
         """Whether onnx's reference evaluator, standing in for onnxruntime, raised (``error``) on a

@@ -5,7 +5,9 @@ their constants and by the tensor arguments they pass that have no meaningful st
 :mod:`..shapes.standins`): a call without ``labels`` cannot run on a graph that takes labels,
 but a call without ``attention_mask`` can (ones stand in).  Each group is one graph, taking every
 argument any of its calls passed.  When a stand-in does not reproduce a call after all, the
-engine splits such calls off into a graph of their own (:func:`split_off`).
+engine splits such calls off into a graph of their own (:func:`split_off`).  A size no role makes
+dynamic that takes a few values, which torch pins or restricts, is a structure as a constant is:
+its calls are planned again, a graph per value (:func:`by_choice`).
 """
 
 from __future__ import annotations
@@ -14,22 +16,36 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.vocabulary import DimSource
 from ..observe.alignment import AlignedCalls
+from ..shapes.model import ShapeModel
 from ..shapes.standins import stand_in_kind
 
 # graphs exported per input structure at most (32 calls are stored per model); calls beyond are unverified
 MAX_GRAPHS = 16
+# a choice of structure is a small count (rotary sections, images): at most this many values, none larger
+MAX_CHOICES, MAX_CHOICE_SIZE = 4, 16
 
 
 @dataclass
 class GraphPlan:
     """The calls (indices into the model's aligned calls) verified on one graph, the tensor
-    arguments it takes and the constant arguments it binds."""
+    arguments it takes, the constant arguments it binds and the variables it keeps static at the
+    size its calls share (``pinned``: a choice of structure, ``why``)."""
 
     calls: list[int]
     slots: frozenset[str]
     constants: dict[str, Any] = field(default_factory=dict)
     name: str = ""
+    pinned: dict[str, int] = field(default_factory=dict)
+    why: str = ""
+
+    def shapes(self, joint: ShapeModel) -> ShapeModel:
+        """The shape model of the graph: ``joint`` on its calls and arguments, its pinned variables static."""
+        shapes = joint.project(self.calls, self.slots)
+        for name in self.pinned:
+            shapes = shapes.without(name)
+        return shapes
 
 
 def plan_graphs(aligned: AlignedCalls) -> list[GraphPlan]:
@@ -67,6 +83,33 @@ def split_off(aligned: AlignedCalls, plan: GraphPlan, calls: Iterable[int]) -> l
     for index in calls:
         groups.setdefault(aligned.present_slots(index), []).append(index)
     return [GraphPlan(indices, slots, dict(plan.constants)) for slots, indices in groups.items()]
+
+
+def choice(shapes: ShapeModel, name: str) -> bool:
+    """Whether variable ``name`` is a choice of structure over the calls of ``shapes``: dynamic
+    because the tests vary it, no role makes it so (not a batch, a length, a side, a cache), and
+    it takes at most :data:`MAX_CHOICES` values, none past :data:`MAX_CHOICE_SIZE` (a length of
+    raw audio is not a choice)."""
+    var = next((v for v in shapes.variables if v.name == name), None)
+    if var is None or var.role is not None or var.source != DimSource.OBSERVED:
+        return False
+    return 1 < len(set(var.known)) <= MAX_CHOICES and max(var.known) <= MAX_CHOICE_SIZE
+
+
+def by_choice(joint: ShapeModel, plan: GraphPlan, name: str, why: str) -> list[GraphPlan]:
+    """The plan's calls planned again by their size of variable ``name`` (a :func:`choice`): a
+    graph per value, each keeping it static; ``why``: how torch restricts it."""
+    var = next(v for v in joint.variables if v.name == name)
+    groups: dict[int, list[int]] = {}
+    for index in plan.calls:
+        value = var.values[index]
+        assert value is not None  # the tests vary it: every call of the plan has a size
+        groups.setdefault(value, []).append(index)
+    values = ", ".join(map(str, sorted(groups)))
+    return [GraphPlan(calls, plan.slots, dict(plan.constants), ", ".join(filter(None, [plan.name, f"{name}={value}"])),
+                      {**plan.pinned, name: value},
+                      f"{name} is a choice of structure: the calls pass {values} and {why}; a graph per value")
+            for value, calls in sorted(groups.items())]
 
 
 def name_graphs(plans: list[GraphPlan]) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.configuration import contract
+from ..core.configuration import computation, contract
 from ..core.trees import on_meta_device
 from .options import ObserveOptions
 from .recorder import CallRecorder, parameter_shapes, weights_digest
@@ -62,12 +62,14 @@ class ModelGroup:
 
 
 def identity(module: torch.nn.Module) -> str:
-    """``ClassName-<6 hex digits>`` of the class, the parameter shapes and dtypes, the
-    configuration entries that decide which calls it accepts (a transformers model of another
-    ``problem_type`` is another model), and the meta device for a model on it (a model without
-    values is never the instance a model with values is checked on)."""
-    key = (type(module).__qualname__, parameter_shapes(module), *filter(None, [contract(module)]),
-           *(["meta"] if on_meta_device(module) else []))
+    """``ClassName-<6 hex digits>`` of the class, the parameter shapes and dtypes, what its
+    submodules compute with besides them (attention heads, normalization groups: a UNet of another
+    configuration with the same parameter layout is another model), the configuration entries
+    that decide which calls it accepts (a transformers model of another ``problem_type`` is
+    another model), and the meta device for a model on it (a model without values is never the
+    instance a model with values is checked on)."""
+    key = (type(module).__qualname__, parameter_shapes(module), computation(module),
+           *filter(None, [contract(module)]), *(["meta"] if on_meta_device(module) else []))
     return f"{type(module).__name__}-{hashlib.sha1(repr(key).encode()).hexdigest()[:6]}"
 
 

@@ -59,8 +59,9 @@ KNOWN_INPUTS: dict[str, dict[int, AxisRole | Spelling]] = {
     "input_values": {0: AxisRole.BATCH, 1: AxisRole.FRAMES},
 }
 # inputs whose layout depends on their rank: a 4-D mask is (batch, heads, query, key), multiple-choice
-# token ids are (batch, choices, seq)
+# token ids are (batch, choices, seq), a multimodal rotary model's positions (sections, batch, seq)
 KNOWN_BY_RANK: dict[tuple[str, int], dict[int, AxisRole | Spelling]] = {
+    ("position_ids", 3): {1: AxisRole.BATCH, 2: AxisRole.SEQ},
     ("attention_mask", 4): {0: AxisRole.BATCH, 2: Spelling.TEXT, 3: Spelling.MASK},
     ("decoder_attention_mask", 4): {0: AxisRole.BATCH, 2: AxisRole.SEQ, 3: Spelling.DECODER_MASK},
     ("input_ids", 3): {0: AxisRole.BATCH, 2: Spelling.TEXT},

@@ -1063,9 +1063,36 @@ class Window(torch.nn.Module):
         return self.linear(x)
 
 
-def test_a_call_the_exported_instance_cannot_run_is_unverified_not_internal(tmp_path: Path) -> None:
+class LimitedWindow(torch.nn.Module):
+    """The window with its limit in a dict, which a model may change as it runs: its instances
+    share a group."""
+
+    def __init__(self, max_len: int) -> None:
+        super().__init__()
+        self.limits, self.linear = {"max_len": max_len}, torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > self.limits["max_len"]:
+            raise ValueError(f"sequence of {x.shape[1]} beyond max_len={self.limits['max_len']}")
+        return self.linear(x)
+
+
+def test_instances_computing_with_other_values_are_groups_of_their_own(tmp_path: Path) -> None:
     store = SessionStore()
     first, other = Window(max_len=6).eval(), Window(max_len=8).eval()
+    with store.observe(first, "window", ObserveOptions(), "t::a"):
+        first(torch.randn(2, 5, 4))
+    with store.observe(other, "window", ObserveOptions(), "t::b"):
+        other(torch.randn(2, 7, 4))
+    groups = sorted(store.groups.values(), key=lambda g: g.sources)
+    assert [(g.name.split("[")[0], g.sources) for g in groups] == [("window", ["t::a"]), ("window", ["t::b"])]
+    results = [check_model(g, settings(tmp_path / str(i))) for i, g in enumerate(groups)]
+    assert [(r.verdict, r.reference) for r in results] == [("passed", "recorded")] * 2, [r.reason for r in results]
+
+
+def test_a_call_the_exported_instance_cannot_run_is_unverified_not_internal(tmp_path: Path) -> None:
+    store = SessionStore()
+    first, other = LimitedWindow(max_len=6).eval(), LimitedWindow(max_len=8).eval()
     with store.observe(first, "window", ObserveOptions(), "t::a") as group:
         first(torch.randn(2, 5, 4))
     with store.observe(other, "window", ObserveOptions(), "t::b"):

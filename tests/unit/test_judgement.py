@@ -274,3 +274,113 @@ def test_widened_graphs_give_their_outputs_shapes_and_declared_types(tmp_path: P
     assert (loss.shape, logits.shape, logits.dtype) == ((), (3, 4), dtype)
     torch.testing.assert_close(logits, expected_logits, rtol=0.02, atol=0.02)
     torch.testing.assert_close(loss.to(dtype), expected_loss, rtol=0.02, atol=0.02)
+
+
+# -- a bound judged from both sides --------------------------------------------------------------
+
+
+class LongInputPath(torch.nn.Module):
+    """Another computation up to 4 tokens: torch bounds seq >= 5 when the tests use 8 and 12."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.long, self.short = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 4:
+            return self.long(x)
+        return self.short(x)
+
+
+class LayoutOnly(torch.nn.Module):
+    """A branch on the length that computes the same: the graph serves lengths below the bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 4:  # layout only
+            x = x.contiguous()
+        return self.proj(x)
+
+
+def _line(text: str) -> str:
+    lines = Path(__file__).read_text().splitlines()
+    number = next(i for i, line in enumerate(lines, 1) if text in line)
+    return f"tests/unit/test_judgement.py:{number}: {lines[number - 1].strip()}"
+
+
+def test_a_lower_bound_below_sizes_eager_runs_fails_naming_the_line(tmp_path: Path) -> None:
+    group = observed(LongInputPath().eval(), ((torch.randn(2, 8, 8),), {}), ((torch.randn(3, 12, 8),), {}))
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.stage, result.kind) == ("failed", "torch.export", "specialized"), result.reason
+    assert result.reason == ("seq (x.1, the tests vary it) bounded to at least 5 (eager runs seq=4, the graph without "
+                             "torch's assert computes another branch there) by torch.export at "
+                             f"{_line('if x.shape[1] > 4:')}")
+
+
+def test_a_lower_bound_the_graph_serves_below_is_a_note_and_the_onnx_serves_short_inputs(tmp_path: Path) -> None:
+    model = LayoutOnly().eval()
+    result = check_model(observed(model, ((torch.randn(2, 8, 8),), {}), ((torch.randn(3, 12, 8),), {})),
+                         settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    assert (f"torch.export bounds seq to at least 5 where the model takes another branch (at {_line('# layout only')}"
+            "); the graph, without torch's assert, serves seq=4 as eager does") in result.notes
+    for length in (1, 3, 4):
+        x = torch.randn(2, length, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(onnx_run(result.onnx_path, x)[0], model(x), rtol=1e-4, atol=1e-5)
+
+
+# -- a size that is a choice, not a length -------------------------------------------------------
+
+
+class SectionRope(torch.nn.Module):
+    """Multimodal rotary positions: ``position_ids`` (3, batch, seq) of temporal, height and width
+    sections, or (4, batch, seq) with the text positions first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.proj = torch.nn.Embedding(50, 12), torch.nn.Linear(12, 12)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if position_ids.shape[0] == 4:
+            text, position_ids = position_ids[0], position_ids[1:]
+        else:
+            text = position_ids[0]
+        angles = torch.cat([position_ids[i, ..., None].float() * (i + 1) for i in range(3)], dim=-1).repeat(1, 1, 4)
+        angles = angles + text[..., None].float() * 0.01
+        hidden = self.embed(input_ids)
+        return self.proj(hidden * angles.cos() + hidden.roll(1, -1) * angles.sin())
+
+
+def _sections(count: int, batch: int, length: int) -> torch.Tensor:
+    return torch.stack([torch.arange(length) * (j + 1) for j in range(count)])[:, None].expand(count, batch, length)
+
+
+@pytest.mark.parametrize("first", [3, 4])  # traced with 3: torch asserts Ne(sections, 4); with 4: it pins 4
+def test_a_few_section_counts_torch_restricts_are_a_graph_each(tmp_path: Path, first: int) -> None:
+    model = SectionRope().eval()
+    calls = [((torch.randint(0, 50, (2, 7)), _sections(3, 2, 7)), {}), ((torch.randint(0, 50, (3, 9)),
+                                                                        _sections(4, 3, 9)), {}),
+             ((torch.randint(0, 50, (2, 5)), _sections(3, 2, 5)), {})]
+    if first == 4:
+        calls = [calls[1], calls[0], calls[2]]
+    result = check_model(observed(model, *calls), settings(tmp_path))
+    assert result.verdict == "passed", result.reason
+    dims = {"input_ids": {"0": "batch", "1": "seq"}, "position_ids": {"1": "batch", "2": "seq"}}
+    assert [(g.name, sorted(g.calls), g.dims) for g in result.graphs] == [
+        ("position_ids_dim0=3", [0, 2] if first == 3 else [1, 2], dims),
+        ("position_ids_dim0=4", [1] if first == 3 else [0], dims)]
+    why = "Ne(position_ids_dim0, 4)" if first == 3 else "torch.export pins it (position_ids_dim0"
+    assert all(n.startswith("position_ids_dim0 is a choice of structure: the calls pass 3, 4 and ") and why in n
+               for g in result.graphs for n in g.notes if "choice" in n)
+    for graph, sections in zip(result.graphs, (3, 4)):
+        ids, positions = torch.randint(0, 50, (5, 11)), _sections(sections, 5, 11)
+        with torch.no_grad():
+            torch.testing.assert_close(onnx_run(graph.onnx_path, ids, positions)[0], model(ids, positions),
+                                       rtol=1e-4, atol=1e-4)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-from ...core.configuration import configuration_text
+from ...core.configuration import computation, configuration_text
 from ...core.files import FileMark, copy_atomic, write_atomic
 from ...core.versions import package_versions
 from ...core.vocabulary import Kind, Stage
@@ -57,13 +57,14 @@ ENTRY_FORMAT = 10
 @dataclass
 class ExportFailure:
     """How an export failed: the failing stage, the kind of failure, the exception's type, the
-    one-line reason and the traceback."""
+    one-line reason, the traceback and the variable a specialized failure names."""
 
     stage: Stage
     kind: Kind
     error_type: str
     reason: str
     traceback: str
+    pinned: str = ""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ExportFailure:
@@ -276,12 +277,13 @@ def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _module_digest(module: torch.nn.Module) -> Any:
     """A SHA-256 object fed with what a trace of ``module`` depends on but its inputs: the classes
-    of the model and its submodules (qualified names and source files), its configuration, the
-    names, dtypes and shapes of the weights (not their values) and the values of tensors held as
-    plain attributes."""
+    of the model and its submodules (qualified names and source files), its configuration, what
+    its submodules compute with besides their weights (see :func:`~...core.configuration.computation`),
+    the names, dtypes and shapes of the weights (not their values) and the values of tensors held
+    as plain attributes."""
     digest = hashlib.sha256()
     classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules()})
-    digest.update(json.dumps([classes, configuration_text(module)]).encode())
+    digest.update(json.dumps([classes, configuration_text(module), computation(module)]).encode())
     for source in _source_files(module):
         digest.update(source.encode())
     for name, tensor in module_state(module).items():

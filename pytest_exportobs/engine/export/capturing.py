@@ -14,8 +14,9 @@ from ..base.environment import EnvironmentProblem
 from .bound import bind_constants
 from .outcome import ExportOutcome
 from .probe import SizeProbe
+from .specializations import Specialized
 from .trace_inputs import example_to_trace, other_examples
-from .tracing import Capture, Example, Specialized, Traced, reproduces, trace
+from .tracing import Capture, Example, Traced, reproduces, trace
 from .tracing_patches import NO_PATCHES, TracingPatches
 
 

@@ -29,6 +29,7 @@ from ...shapes.synthesis import complete_sizes, free_variables
 
 Shape = tuple[Any, ...]  # per axis: an int (static) or a sympy expression / ONNX dim name
 SAMPLES = 64  # draws of the free sizes a runtime assert must break once to be kept as a condition
+TRACED_MINIMUM = 2  # the smallest size a dynamic dim traces at (0 and 1 are special to torch)
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,32 @@ def upper_bounds(
 ) -> list[tuple[str, str, int]]:
     """``(variable, symbol, upper)`` for every demanded variable whose axis is a symbol torch
     bounded above (``ranges``: the program's range constraints)."""
+    return [(name, symbol, int(bound.upper)) for name, symbol, bound in _bounded(shapes, inputs, read, ranges)
+            if math.isfinite(float(bound.upper))]
+
+
+def lower_bounds(
+    shapes: ShapeModel, inputs: list[int], read: list[Shape], ranges: dict[Any, Any]
+) -> list[tuple[str, str, int]]:
+    """``(variable, symbol, lower)`` for every demanded variable whose axis is a symbol torch
+    bounded below past :data:`TRACED_MINIMUM` (sizes 0 and 1 are special to torch, and a dim
+    traces from 2)."""
+    return [(name, symbol, int(bound.lower)) for name, symbol, bound in _bounded(shapes, inputs, read, ranges)
+            if bound.lower > TRACED_MINIMUM]
+
+
+def _bounded(
+    shapes: ShapeModel, inputs: list[int], read: list[Shape], ranges: dict[Any, Any]
+) -> list[tuple[str, str, Any]]:
+    """``(variable, symbol, range)`` of every demanded variable whose axis is a symbol of the program."""
     position = {leaf: i for i, leaf in enumerate(inputs)}
     found = []
     for var in shapes.variables:
         symbols = {read[position[leaf]][dim] for leaf, dim in var.axes if leaf in position}
         symbol = next((s for s in symbols if isinstance(s, sympy.Symbol)), None)
         bound = ranges.get(symbol) if var.demanded and symbol is not None else None
-        if bound is not None and math.isfinite(float(bound.upper)):
-            found.append((var.name, str(symbol), int(bound.upper)))
+        if bound is not None:
+            found.append((var.name, str(symbol), bound))
     return found
 
 

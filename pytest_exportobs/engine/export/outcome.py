@@ -16,7 +16,8 @@ from ..base.environment import EnvironmentProblem
 from ..base.reasons import one_line_reason
 from ..base.result import ExportFiles
 from .domain import Refinement
-from .tracing import Capture, Example, Specialized
+from .specializations import Specialized
+from .tracing import Capture, Example
 
 
 @dataclass
@@ -45,6 +46,7 @@ class ExportOutcome(ExportFiles):
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
     trace_key: str = ""  # the export cache's key of the trace ("" without a cache)
     capture: Capture | None = None  # how torch.export captured the program (None: not traced here)
+    pinned: str = ""  # the variable torch pinned to a constant, when that failed the export
     # for each output of the ONNX file, the index of the traced program's output it is (empty: the same order)
     output_order: list[int] = field(default_factory=list)
 
@@ -72,6 +74,7 @@ class Stages:
             self.outcome.kind = Kind.SPECIALIZED if isinstance(e, Specialized) else Kind.ERROR
             self.outcome.error_type = type(e).__name__
             self.outcome.reason = str(e) if isinstance(e, Specialized) else one_line_reason(name, e)
+            self.outcome.pinned = e.name if isinstance(e, Specialized) and e.retrace else ""  # a pin, not a bound
             self.outcome.traceback = "".join(traceback.format_exception(e))
             raise StageFailed(name) from e
         finally:

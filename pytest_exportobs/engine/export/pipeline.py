@@ -244,7 +244,8 @@ def _failed_entry(shapes: ShapeModel, outcome: ExportOutcome) -> TraceEntry | No
     found = outcome.refinements or made_static(shapes, outcome.shapes)
     if apply_refinements(shapes, found)[0].to_json() != outcome.shapes.to_json():
         return None
-    failure = ExportFailure(outcome.stage, outcome.kind, outcome.error_type, outcome.reason, outcome.traceback)
+    failure = ExportFailure(outcome.stage, outcome.kind, outcome.error_type, outcome.reason, outcome.traceback,
+                            outcome.pinned)
     return TraceEntry("", list(outcome.notes), found, outcome.outputs, outcome.dims_form, failure,
                       *_capture_fields(outcome))
 
@@ -283,7 +284,7 @@ def _failed_as_before(entry: TraceEntry, failure: ExportFailure, shapes: ShapeMo
     """The outcome of an export that failed on an earlier run of the same trace."""
     outcome.ok = False
     outcome.stage, outcome.kind, outcome.error_type = failure.stage, failure.kind, failure.error_type
-    outcome.reason, outcome.traceback = failure.reason, failure.traceback
+    outcome.reason, outcome.traceback, outcome.pinned = failure.reason, failure.traceback, failure.pinned
     _restore(entry, shapes, outcome)
     outcome.notes = [*entry.notes, f"export cache hit: this trace failed at {failure.stage} on an earlier run with "
                                    "nothing it depends on changed since, not exported again"]

@@ -1,4 +1,5 @@
-"""Where torch.export turned a size into a constant: the user's source line behind each guard.
+"""Where torch.export turned a size into a constant: the user's source line behind each guard, and
+the failure that names it (:class:`Specialized`).
 
 torch's "Constraints violated" message names the dimension and the constant, not the code that
 forced it.  While tracing, torch logs each guard it adds and each symbol it replaces (logger
@@ -16,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ...compat.torch_text import SHAPES_LOGGER, guard_added, symbol_created, symbol_replaced
+from ...core.vocabulary import DimSource
+from ...shapes.model import ShapeModel
 from ..base.frames import user_location
 
 
@@ -105,3 +108,27 @@ def _mentions(expression: str, symbol: str) -> bool:
             return True
         start = expression.find(symbol, end)
     return False
+
+
+class Specialized(Exception):
+    """torch.export made a dynamic dim a constant, or bounded it below sizes eager accepts."""
+
+    def __init__(self, shapes: ShapeModel, name: str, what: str, location: str, retrace: bool = True):
+        var = next(v for v in shapes.variables if v.name == name)
+        axes = ", ".join(f"{shapes.aligned.leaf_names[leaf]}.{dim}" for leaf, dim in var.axes)
+        where = f" at {location}" if location else ""
+        super().__init__(f"{name} ({axes}, {_why(var.source)}) {what} by torch.export{where}")
+        self.name, self.what, self.location = name, what, location
+        self.shapes = shapes  # the model as refined when torch pinned the dim (guessed dims made static)
+        self.retrace = retrace  # whether tracing at another size may keep the dim (a pin may; a bound not)
+
+    def pins_as(self, other: Specialized | None) -> bool:
+        """Whether this pin is ``other``'s at another size: the same dim, at the same known line."""
+        return other is not None and bool(self.location) and (self.name, self.location) == (other.name, other.location)
+
+
+def _why(source: DimSource) -> str:
+    return {
+        DimSource.OBSERVED: "the tests vary it", DimSource.ROLE: "a deployment varies it",
+        DimSource.DECLARED: "declared dynamic", DimSource.FORCED: "set_batch_dimension_for",
+    }.get(source, source)

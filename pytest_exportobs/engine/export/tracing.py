@@ -28,38 +28,19 @@ from ...compat.torch_private import (
     unchecked_module,
 )
 from ...compat.torch_text import pinned_sizes, rejects_dims, suggested_fixes
-from ...core.configuration import declared_maximum
 from ...core.text import error_line, first_line
 from ...core.trees import detached_clone, flat_outputs
-from ...core.vocabulary import DimSource, RefinementKind
 from ...shapes.model import ShapeModel
 from ...shapes.spec import spec_api, to_shapes_spec
 from ..verify.compare import Tolerance, compare
-from .bound import BoundConstants
-from .domain import Refinement, apply_refinements, program_shapes, static_axes, upper_bounds
-from .probe import SizeProbe, leaves_at
-from .specializations import SpecializationLog, logged_specializations
+from .bounds import check_bounds
+from .domain import Refinement, apply_refinements, program_shapes, static_axes
+from .probe import SizeProbe
+from .specializations import SpecializationLog, Specialized, logged_specializations
 from .tracing_patches import NO_PATCHES, TracingPatches
 
 MAX_ATTEMPTS = 4  # exports tried with refined dims before giving up on named dims
 SPEC_NOTE = "dims as a torch ShapesSpec"
-
-
-class Specialized(Exception):
-    """torch.export made a dynamic dim a constant, or bounded it below sizes eager accepts."""
-
-    def __init__(self, shapes: ShapeModel, name: str, what: str, location: str, retrace: bool = True):
-        var = next(v for v in shapes.variables if v.name == name)
-        axes = ", ".join(f"{shapes.aligned.leaf_names[leaf]}.{dim}" for leaf, dim in var.axes)
-        where = f" at {location}" if location else ""
-        super().__init__(f"{name} ({axes}, {_why(var.source)}) {what} by torch.export{where}")
-        self.name, self.what, self.location = name, what, location
-        self.shapes = shapes  # the model as refined when torch pinned the dim (guessed dims made static)
-        self.retrace = retrace  # whether tracing at another size may keep the dim (a pin may; a bound not)
-
-    def pins_as(self, other: Specialized | None) -> bool:
-        """Whether this pin is ``other``'s at another size: the same dim, at the same known line."""
-        return other is not None and bool(self.location) and (self.name, self.location) == (other.name, other.location)
 
 
 @dataclass
@@ -86,7 +67,7 @@ class Example:
 class Traced:
     """What :func:`trace` made: the program, the form its dims were given in (``ShapesSpec`` or
     ``Dim``), the shape model as refined on the way, and the variables split there (a sliding
-    window's axes held apart from the others: :func:`_check_bound`)."""
+    window's axes held apart from the others: see :mod:`.bounds`)."""
 
     program: torch.export.ExportedProgram
     form: str
@@ -151,7 +132,7 @@ def trace(
             for axis in static_axes(shapes, example.inputs, read):
                 shapes = _keep_static(shapes, {axis.variable.name: axis.value}, specializations, notes)
             probe = replace(probe, shapes=shapes) if probe is not None else None
-            split = _check_bounds(module, shapes, program, example, constants, probe, specializations, notes)
+            split = check_bounds(module, shapes, program, example.inputs, constants, probe, specializations, notes)
             if split is None:
                 return Traced(program, form, shapes, splits)
             splits.append(split)
@@ -270,69 +251,6 @@ def capturing(oblivious: bool = True) -> Iterator[None]:
         yield
 
 
-def _check_bounds(
-    module: torch.nn.Module, shapes: ShapeModel, program: torch.export.ExportedProgram, example: Example,
-    constants: bool, probe: SizeProbe | None, specializations: SpecializationLog, notes: list[str],
-) -> Refinement | None:
-    """:func:`_check_bound` on every demanded dim the program bounds; the first split one calls
-    for.  A bound at the maximum the model's configuration declares (``max_position_embeddings``)
-    is the model's domain: a note."""
-    read = program_shapes(program)
-    for name, symbol, upper in upper_bounds(shapes, example.inputs, read, program.range_constraints):
-        location = specializations.bound_location(symbol)
-        if declared := declared_maximum(module.module if isinstance(module, BoundConstants) else module, upper):
-            where = f" (at {location})" if location else ""
-            notes.append(f"torch.export bounds {name} to at most {upper}, the model's declared {declared}{where}")
-            continue
-        split = _check_bound(shapes, name, upper, probe, location, program, constants, notes)
-        if split is not None:
-            return split
-    return None
-
-
-def _check_bound(
-    shapes: ShapeModel, name: str, upper: int, probe: SizeProbe | None, location: str,
-    program: torch.export.ExportedProgram, constants: bool, notes: list[str],
-) -> Refinement | None:
-    """A demanded dim torch bounds where the model goes on (eager runs the next size, or the
-    model's own next step reaches past it) is :class:`Specialized` when the graph, without
-    torch's runtime assert, does not give eager's outputs there: it cannot serve what the model
-    does.  A graph that does (a layout-only branch on the size, ``if x.shape[0] >= 64:
-    x = x.contiguous()``) keeps the dim, with a note.  A bound eager cannot
-    pass is the model's limit (``seq <= 128`` of its position table, the length of a static
-    cache).  When the step past the bound holds some of the dim's axes at it (a sliding window's
-    layers, the full ones going on), those axes need a length of their own: the split is
-    returned, and the dim is exported again."""
-    if any(w.derived == name and w.limit == upper for w in shapes.windows):
-        return None  # the sliding window split off: the model's own states hold it there
-    reached = probe.reaches(name, upper + 1) if probe is not None else None
-    if reached is None:
-        return None
-    if reached.held:
-        return Refinement(RefinementKind.SPLIT, name, upper, reached.held)
-    assert probe is not None  # it reached past the bound
-    if probe.accepts(name, upper + 1) and _serves(program, probe, name, upper + 1, constants):
-        where = f" (at {location})" if location else ""
-        notes.append(f"torch.export bounds {name} to at most {upper} where the model takes another branch{where}; "
-                     f"the graph, without torch's assert, serves {name}={upper + 1} as eager does")
-        return None
-    raise Specialized(shapes, name, f"bounded to at most {upper} ({reached.how})", location, retrace=False)
-
-
-def _serves(program: torch.export.ExportedProgram, probe: SizeProbe, name: str, size: int, constants: bool) -> bool:
-    """Whether the program, without its runtime asserts (as the ONNX graph runs), gives eager's
-    outputs on the probe's inputs at ``name`` = ``size``."""
-    leaves = leaves_at(probe.shapes, {name: size})
-    call = Example.of(probe.shapes, leaves, constants)
-    try:
-        with torch.no_grad():
-            expected = flat_outputs(probe.eager(detached_clone(leaves)))
-            actual = flat_outputs(unchecked_module(program)(*call.args, **call.kwargs))
-    except Exception:  # the graph fails there
-        return False
-    return compare(actual, expected, Tolerance()).ok
-
-
 def _keep_static(
     shapes: ShapeModel, constants: dict[str, int], specializations: SpecializationLog, notes: list[str],
 ) -> ShapeModel:
@@ -350,10 +268,3 @@ def _keep_static(
         where = f" at {location}" if location else ""
         notes.append(f"{name} kept static: torch.export specializes it to {value}{where}")
     return shapes
-
-
-def _why(source: DimSource) -> str:
-    return {
-        DimSource.OBSERVED: "the tests vary it", DimSource.ROLE: "a deployment varies it",
-        DimSource.DECLARED: "declared dynamic", DimSource.FORCED: "set_batch_dimension_for",
-    }.get(source, source)
