@@ -1,6 +1,6 @@
 """Run a real project's own model tests with every model observed, and read the verdicts as a user would.
 
-Two suites, each run once without the plugin and once with ``--export-check --export-observe CLASS``
+Three suites, each run once without the plugin and once with ``--export-check --export-observe CLASS``
 (no conftest, no test edited); every ordinary test's outcome is compared between the two runs,
 and the plugin's JSON report becomes a compatibility table:
 
@@ -9,11 +9,14 @@ and the plugin's JSON report becomes a compatibility table:
 - ``timm``: ``tests/test_models.py`` of timm's sdist for a selection of models (their forward,
   backward and default-config tests), observing ``torch.nn.Module`` (timm models share no base
   class); one row per timm model.
+- ``diffusers``: ``tests/models/...`` of diffusers' repository at a release tag, observing
+  ``diffusers.ModelMixin``, the tests that load from the Hub deselected; one row per model class.
 
 See validation/README.md for getting the sources and the environments.
 
     python validation/run.py transformers --python /path/to/venv/bin/python --tests /path/to/tree --arch bert llama
     python validation/run.py timm --python /path/to/venv/bin/python --tests /path/to/timm-1.0.31
+    python validation/run.py diffusers --python /path/to/venv/bin/python --tests /path/to/diffusers-tree
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ TIMM_MODELS = (
     "test_maxvit", "levit_128s", "regnetx_002", "test_nfnet", "mambaout_femto", "efficientvit_b0",
     "efficientvit_m0", "tiny_vit_5m_224", "xcit_nano_12_p16_224", "test_vit_relpos", "pvt_v2_b0",
 )
+# diffusers' model tests of the library's main model families (see validation/README.md)
+DIFFUSERS_FILES = (
+    "unets/test_models_unet_2d_condition.py", "unets/test_models_unet_2d.py", "unets/test_models_unet_1d.py",
+    "autoencoders/test_models_autoencoder_kl.py", "autoencoders/test_models_vq.py",
+    "autoencoders/test_models_autoencoder_tiny.py", "transformers/test_models_transformer_sd3.py",
+    "transformers/test_models_transformer_flux.py", "unets/test_models_unet_controlnetxs.py",
+)
+OFFLINE = "not hub and not output_pretrained and not loss_pretrained"  # the tests that load weights from the Hub
 
 
 @dataclass
@@ -283,6 +294,15 @@ def timm_units(args: argparse.Namespace) -> list[Unit]:
     return [Unit("timm", args.tests, selected, "torch.nn.Module", row, ("test_model_forward", "test_model_backward"))]
 
 
+def diffusers_units(args: argparse.Namespace) -> list[Unit]:
+    """One unit: the selected files of ``tests/models``, the tests that load from the Hub
+    deselected unless ``-k`` is given; a group counts in its model class's row."""
+    if "-k" not in args.pytest_args:
+        args.pytest_args += ["-k", OFFLINE]
+    return [Unit("diffusers", args.tests, [f"tests/models/{name}" for name in args.files], "diffusers.ModelMixin",
+                 lambda group: group.model_class)]
+
+
 def _timm_test(node: str) -> tuple[str, set[str]]:
     """``tests/test_models.py::test_model_default_cfgs[1-resnet18.a1_in1k]`` -> the test, its
     parameters (a model's pretrained tag dropped: ``resnet18``)."""
@@ -305,10 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     timm = suites.add_parser("timm", help="timm's tests/test_models.py for a selection of models")
     timm.add_argument("--tests", type=Path, required=True, help="timm's unpacked sdist (holds tests/)")
     timm.add_argument("--models", nargs="+", default=list(TIMM_MODELS), help="timm model names")
-    for sub in (tf, timm):
+    diffusers = suites.add_parser("diffusers", help="diffusers' tests/models for a selection of files")
+    diffusers.add_argument("--tests", type=Path, required=True, help="a tree holding diffusers' tests/ at a tag")
+    diffusers.add_argument("--files", nargs="+", default=list(DIFFUSERS_FILES), help="files under tests/models")
+    for sub in (tf, timm, diffusers):
         sub.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (-k, --timeout ...)")
     args = parser.parse_args(argv)
-    units = transformers_units(args) if args.suite == "transformers" else timm_units(args)
+    units = {"transformers": transformers_units, "timm": timm_units, "diffusers": diffusers_units}[args.suite](args)
     results = [measure(args, unit) for unit in units]
     args.workdir.mkdir(parents=True, exist_ok=True)
     for result in results:

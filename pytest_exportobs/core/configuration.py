@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import types
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch
 # another model (its recorded calls may not run on the first); the rest (epsilons, dropout, output
 # flags, paths) leave the calls valid, and the exported instance's own config decides its graph
 CONTRACT_KEYS = ("problem_type", "is_decoder", "add_cross_attention", "is_encoder_decoder")
+# configuration entries declaring the channels of a model's input (diffusers, transformers, timm)
+CHANNEL_KEYS = ("in_channels", "num_channels", "in_chans")
 # configuration entries declaring the longest sequence a model takes: a bound torch puts there is
 # the model's domain
 MAXIMUM_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
@@ -67,8 +70,7 @@ def contract(module: Any) -> str:
     config = getattr(module, "config", None)
     if config is None:
         return ""
-    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
-    return json.dumps({key: repr(get(key)) for key in CONTRACT_KEYS})
+    return json.dumps({key: repr(_entry(config, key)) for key in CONTRACT_KEYS})
 
 
 def declared_maximum(module: Any, size: int) -> str:
@@ -77,9 +79,8 @@ def declared_maximum(module: Any, size: int) -> str:
     config = getattr(module, "config", None)
     configs = [config, getattr(config, "text_config", None), getattr(config, "decoder", None)]
     for found in filter(None, configs):
-        get = found.get if isinstance(found, dict) else lambda key, found=found: getattr(found, key, None)
         for key in MAXIMUM_KEYS:
-            if get(key) == size:
+            if _entry(found, key) == size:
                 return f"{key} = {size}"
     return ""
 
@@ -115,3 +116,28 @@ def _described(value: Any) -> str:
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
         return f"{value.__module__}.{value.__qualname__}"
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def declared_channels(module: Any) -> frozenset[int]:
+    """The channels a model takes its input in: its configuration's (``in_channels``...) and its
+    first convolution's (an input ``(batch, channels, length)`` is laid out channels first)."""
+    config = getattr(module, "config", None)
+    found = {value for key in CHANNEL_KEYS if isinstance(value := _entry(config, key), int)}
+    convolutions = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    first = next((m for m in module.modules() if isinstance(m, convolutions)), None)
+    return frozenset(found | ({first.in_channels} if first is not None else set()))
+
+
+def declared_patch(module: Any) -> int:
+    """The patch size a model's configuration declares (``patch_size``, the least common multiple
+    of its entries when it has one per axis); 1 without one."""
+    value = _entry(getattr(module, "config", None), "patch_size")
+    sizes = [value] if isinstance(value, int) else list(value) if isinstance(value, (tuple, list)) else []
+    return math.lcm(*sizes) if sizes and all(isinstance(v, int) and v > 0 for v in sizes) else 1
+
+
+def _entry(config: Any, key: str) -> Any:
+    """An entry of a configuration: a dict's (diffusers' ``FrozenDict``) or an object's attribute."""
+    if config is None:
+        return None
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)

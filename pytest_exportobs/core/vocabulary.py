@@ -155,3 +155,4 @@ class AxisRole(StrEnum):
     HEIGHT = "height"
     WIDTH = "width"
     FRAMES = "frames"  # audio
+    LENGTH = "length"  # a signal's: a 1-D convolution's input (batch, channels, length)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..core.capture import captured_output
+from ..core.configuration import declared_channels
 from ..core.paths import model_directory
 from ..core.text import error_line
 from ..core.trees import flattening_context, on_meta_device
@@ -56,8 +57,8 @@ def check_model(
     result.model_notes.extend(notes)
     if not found:
         result.verdict, result.stage = Verdict.SKIPPED, Stage.OBSERVE
-        result.reason = ("the model's parameters changed shape after its calls (resize_token_embeddings?) and no "
-                         "call fits the weights at hand: nothing to check")
+        result.reason = ("the model's parameters changed shape after its calls (resize_token_embeddings, an adapter "
+                         "added) and no call fits the weights at hand: nothing to check")
         return result
     try:
         graphs: list[GraphResult] = []
@@ -193,6 +194,7 @@ class _ModelCheck:
         policy = DimPolicy(
             roles=(options.dims or self.settings.dims) == "roles",
             dynamic=frozenset(options.dynamic), static=frozenset(options.static),
+            channels=declared_channels(self.group.module),
         )
         try:
             joint = ShapeModel.from_aligned(

@@ -18,10 +18,9 @@ import torch
 
 from ..core.text import error_line
 from ..core.trees import detached_clone
-from ..core.vocabulary import DimSource, Kind, Runtime, Stage, Target, Verdict
+from ..core.vocabulary import Kind, Runtime, Stage, Target, Verdict
 from ..observe.binding import value_text
 from ..shapes.model import ShapeModel
-from ..shapes.synthesis import export_sizes
 from .base.environment import writing
 from .base.origins import failure_line
 from .base.result import GraphResult
@@ -33,6 +32,7 @@ from .export.domain import conditions, satisfied
 from .export.outcome import ExportOutcome
 from .export.pipeline import export_model
 from .export.probe import SizeProbe, probed_unvaried_dims
+from .guesses import Refine, kept_static, moved_guesses, stepped
 from .planning import GraphPlan, choice
 from .verify.compare import OutputLayout, float64_note, padded_note, verify_calls
 from .verify.references import Reproduction, refreshed, reproduction
@@ -85,36 +85,23 @@ class GraphCheck:
             if not context.examples:
                 return
             variation = self._variations(self.runner, outcome.trace_key)
+            while variation.failed and self._guessed_again(stepped, variation, outcome.onnx_path):
+                variation = self._variations(self.runner, outcome.trace_key)  # the same graph, sizes in steps
             if not variation.failed:
                 return
-            if not self._guesses_kept_static(variation, outcome.onnx_path):
+            if not self._guessed_again(kept_static, variation, outcome.onnx_path):
                 raise GraphEnded
             # exported again without the guessed dims
 
-    def _guesses_kept_static(self, variation: VariationOutcome, onnx_path: str) -> bool:
-        """A failing variation whose sizes leave the traced ones on guessed dims (axes of generic
-        inputs the tests never varied, an image's sides): the graph serves the traced size only (a
-        branch on the size traced once), those dims are kept static with a note naming the
-        failing node's line, and the failure is withdrawn for another export."""
-        guessed = self._guesses_moved(variation)
-        if not guessed:
+    def _guessed_again(self, refine: Refine, variation: VariationOutcome, onnx_path: str) -> bool:
+        """Whether ``refine`` (see :mod:`.guesses`) takes the guessed dims a failing variation moved
+        otherwise; if so, the shape model is so refined and the failure withdrawn."""
+        shapes = refine(self.shapes, variation, onnx_path, self.result.notes)
+        if shapes is None:
             return False
-        line = failure_line(onnx_path, variation.detail)
-        failing = variation.failing_sizes or {}
-        sizes = ", ".join(f"{name}={failing[name]}" for name in guessed)
-        self.result.notes.append(
-            f"{', '.join(guessed)} kept static: the tests never varied them and the graph fails at {sizes} "
-            f"({f'in {line}' if line else variation.detail}), where eager runs")
-        for name in guessed:
-            self.shapes = self.shapes.without(name)
+        self.shapes = shapes
         self.result.kind, self.result.reason, self.result.repro_path = None, "", ""
         return True
-
-    def _guesses_moved(self, variation: VariationOutcome) -> list[str]:
-        """The guessed dims whose sizes in a failing variation are not the traced ones."""
-        failing, traced = variation.failing_sizes or {}, export_sizes(self.shapes)
-        return [v.name for v in self.shapes.variables if v.source == DimSource.GUESS
-                and failing.get(v.name, traced.get(v.name)) != traced.get(v.name)]
 
     def serves(self, shapes: ShapeModel, calls: list[int]) -> bool:
         """Whether this graph reproduces the given calls of another plan (``shapes``: this
@@ -317,7 +304,7 @@ class GraphCheck:
         cache = self._cache()
         key = cache.exploration_key(trace_key, self._exploration_settings()) if cache and trace_key else ""
         earlier = VariationOutcome.from_json(cache.load_exploration(key)) if cache and key else None
-        if earlier is not None and (not earlier.failed or self._guesses_moved(earlier)):
+        if earlier is not None and (not earlier.failed or moved_guesses(self.shapes, earlier)):
             result.variations = earlier.to_json()
             what = "failing on sizes of dims the tests never varied" if earlier.failed else \
                 f"{earlier.valid} examples passed"
@@ -337,7 +324,7 @@ class GraphCheck:
         ))
         result.timings["variations"] = time.perf_counter() - begin
         result.variations = variation.to_json()
-        guessed = bool(variation.failed and self._guesses_moved(variation))  # then kept static (see _stages)
+        guessed = bool(variation.failed and moved_guesses(self.shapes, variation))  # then kept static (see _stages)
         if cache and key and (not variation.failed or guessed):
             with contextlib.suppress(OSError):  # an unwritable cache costs the next run its speed, noted by the export
                 cache.store_exploration(key, result.variations)

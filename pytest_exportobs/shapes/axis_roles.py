@@ -20,6 +20,8 @@ from ..observe.alignment import AlignedCalls
 from .dims import Axis
 
 DEMANDED = (AxisRole.BATCH, AxisRole.SEQ, AxisRole.PAST_SEQ, AxisRole.TOTAL_SEQ, AxisRole.ENCODER_SEQ, AxisRole.FRAMES)
+# an image's sides and a signal's length: taken in steps (a patch, a downsampling), explored near their sizes
+SPATIAL = (AxisRole.HEIGHT, AxisRole.WIDTH, AxisRole.LENGTH)
 CACHE_SLOTS = ("past_key_values", "cache", "past", "past_key_value", "cache_params")
 # caches whose length is their fixed allocation (max_cache_len), not the past sequence
 STATIC_CACHES = ("StaticCache", "HybridCache", "SlidingWindowCache", "HybridChunkedCache", "OffloadedStaticCache")
@@ -78,9 +80,10 @@ class Role:
     demanded: bool = True
 
 
-def axis_roles(aligned: AlignedCalls, generic: bool = True) -> dict[Axis, Role]:
+def axis_roles(aligned: AlignedCalls, generic: bool = True, channels: frozenset[int] = frozenset()) -> dict[Axis, Role]:
     """The role of every axis that has one; ``generic`` adds the guesses on inputs with other
-    names than transformers' (see :func:`_generic_roles`)."""
+    names than transformers' (see :func:`_generic_roles`; ``channels``: the channels the model
+    declares it takes its input in)."""
     encoder_decoder = _is_encoder_decoder(aligned)
     # a mask longer than the new tokens covers past ones too (a cache, or tokens the call repeats)
     covers_past = _mask_covers_past(aligned) or any(
@@ -90,7 +93,7 @@ def axis_roles(aligned: AlignedCalls, generic: bool = True) -> dict[Axis, Role]:
     for leaf in range(len(aligned.leaf_names)):
         roles.update(_known_roles(aligned, leaf, encoder_decoder, covers_past))
     if generic:
-        roles.update(_generic_roles(aligned, roles))
+        roles.update(_generic_roles(aligned, roles, channels))
     return roles
 
 
@@ -143,11 +146,12 @@ def _mask_covers_past(aligned: AlignedCalls) -> bool:
     )
 
 
-def _generic_roles(aligned: AlignedCalls, known: dict[Axis, Role]) -> dict[Axis, Role]:
+def _generic_roles(aligned: AlignedCalls, known: dict[Axis, Role], channels: frozenset[int]) -> dict[Axis, Role]:
     """Guesses for inputs with other names: dim 0 is the batch when it agrees with the batch of
     the other inputs (1-D targets such as ``start_positions`` included); token ids and masks
-    ``(batch, seq)``; features ``(batch, seq, hidden)`` (a soft guess); images ``(batch,
-    channels, height, width)``."""
+    ``(batch, seq)``; features ``(batch, seq, hidden)`` (a soft guess), or a signal ``(batch,
+    channels, length)`` when its second axis holds ``channels`` (what the model declares it takes);
+    images ``(batch, channels, height, width)``."""
     generic = [
         leaf for leaf in range(len(aligned.leaf_names))
         if aligned.is_tensor_leaf(leaf) and not any(axis[0] == leaf for axis in known) and _rank(aligned, leaf) >= 1
@@ -164,6 +168,8 @@ def _generic_roles(aligned: AlignedCalls, known: dict[Axis, Role]) -> dict[Axis,
         roles[(leaf, 0)] = Role(AxisRole.BATCH)
         if rank == 2 and not dtype.is_floating_point:
             roles[(leaf, 1)] = Role(AxisRole.SEQ)
+        elif rank == 3 and dtype.is_floating_point and _sizes(aligned, (leaf, 1)) <= channels:
+            roles[(leaf, 2)] = Role(AxisRole.LENGTH, demanded=False)
         elif rank == 3 and dtype.is_floating_point:
             roles[(leaf, 1)] = Role(AxisRole.SEQ, demanded=False)
         elif rank == 4 and dtype.is_floating_point:
@@ -189,6 +195,12 @@ def _agrees(aligned: AlignedCalls, axis: Axis, batch: list[int | None]) -> bool:
         if isinstance(call[leaf], torch.Tensor) and size is not None
     ]
     return bool(common) and all(a == b for a, b in common)
+
+
+def _sizes(aligned: AlignedCalls, axis: Axis) -> set[int]:
+    """The sizes an axis has over the calls."""
+    leaf, dim = axis
+    return {call[leaf].shape[dim] for call in aligned.calls if isinstance(call[leaf], torch.Tensor)}
 
 
 def _rank(aligned: AlignedCalls, leaf: int) -> int:

@@ -27,11 +27,14 @@ Sizes = dict[Axis, list[int | None]]
 class DimPolicy:
     """Which axes are dynamic besides the ones the calls vary: ``roles`` adds the axes whose
     role demands it (batch, sequence, cache and encoder lengths) and guesses on generic inputs;
-    ``dynamic`` and ``static`` name axes (``input:axis``, e.g. ``pixel_values:2``) to add or pin."""
+    ``dynamic`` and ``static`` name axes (``input:axis``, e.g. ``pixel_values:2``) to add or pin;
+    ``channels``: the channels the model declares it takes its input in (a generic ``(batch, 14,
+    length)`` input of a model taking 14 channels is a signal, not ``(batch, seq, hidden)``)."""
 
     roles: bool = False
     dynamic: frozenset[str] = frozenset()
     static: frozenset[str] = frozenset()
+    channels: frozenset[int] = frozenset()
 
 
 AS_OBSERVED = DimPolicy()  # dynamic: what the calls vary (the peers' API)
@@ -43,7 +46,7 @@ def infer_variables(aligned: AlignedCalls, forced: set[Axis], policy: DimPolicy 
     # do, a mask or labels absent from a call says nothing of its size there
     empty = {leaf for leaf in aligned.missing_dims if not policy.roles or cache_kind(aligned, leaf) == "self"}
     sizes = _axis_sizes(aligned, empty)
-    roles = axis_roles(aligned) if policy.roles else {}
+    roles = axis_roles(aligned, channels=policy.channels) if policy.roles else {}
     declared, pinned = _named_axes(aligned, policy.dynamic), _named_axes(aligned, policy.static)
     sources: dict[Axis, DimSource] = {}
     for axis, values in sizes.items():

@@ -10,6 +10,7 @@ the model says so in ``notes``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ from ..observe.alignment import AlignedCalls
 from ..observe.binding import value_text
 from .dims import Axis, Relation, Variable, Window
 from .inference import AS_OBSERVED, DimPolicy, derive_relations, forced_batch_axes, infer_variables, role_relations
-from .naming import name_variables
+from .naming import generic_name, name_variables
 from .standins import stand_in, stand_in_kind
 
 
@@ -77,12 +78,15 @@ class ShapeModel:
 
     def derived(self, name: str, relation: Relation) -> ShapeModel:
         """Variable ``name`` following ``relation`` from a new free variable without axes
-        (torch.export restricted it: ``height = 2*height_half``)."""
+        (torch.export restricted it: ``height = 2*height_half``), instead of any it followed."""
         var = next(v for v in self.variables if v.name == name)
         (free,) = relation.terms
         values = [None if v is None else v // relation.scale for v in var.values]
+        replaced = {t for r in self.relations if r.derived == name for t in r.terms}
+        stale = {v.name for v in self.variables if v.name in replaced and not v.axes}  # an earlier step's
         return dataclasses.replace(
-            self, variables=[*self.variables, Variable(free, [], values, list(var.stood_in), var.source)],
+            self, variables=[*(v for v in self.variables if v.name not in stale),
+                             Variable(free, [], values, list(var.stood_in), var.source, var.role)],
             relations=[relation, *(r for r in self.relations if r.derived != name)],
         )
 
@@ -98,11 +102,54 @@ class ShapeModel:
             windows=[*self.windows, Window(into, name, limit)],
         )
 
+    def tied(self, name: str, partners: Collection[tuple[Axis, int]]) -> ShapeModel:
+        """Variable ``name`` with the axes the model ties to it, each ``(axis, scale)`` of a size
+        ``scale`` times its own in every call (``img_ids``' tokens to ``hidden_states``',
+        ``controlnet_cond``'s sides to twice ``sample``'s): scale 1 joins the variable (with the
+        axis's variable, if any); another scale makes the axis's variable (or a new one) follow
+        ``scale * name``."""
+        shapes = self
+        for (leaf, dim), scale in partners:  # a probe entry's JSON gives lists: the axis a tuple again
+            axis = (leaf, dim)
+            var = next(v for v in shapes.variables if v.name == name)
+            other = shapes.variable_of(axis)
+            if scale == 1 and other is not None:
+                shapes = shapes.merged(other.name, name)
+            elif scale == 1:
+                variables = [dataclasses.replace(v, axes=[*v.axes, axis]) if v is var else v for v in shapes.variables]
+                shapes = dataclasses.replace(shapes, variables=variables)
+            else:
+                if other is None:
+                    values = [None if v is None else scale * v for v in var.values]
+                    other = dataclasses.replace(var, name=generic_name(shapes.aligned, axis), axes=[axis],
+                                                values=values, role=None)
+                    shapes = dataclasses.replace(shapes, variables=[*shapes.variables, other])
+                relation = Relation(other.name, (name,), scale=scale)
+                shapes = dataclasses.replace(shapes, relations=[*shapes._relations_without(other.name), relation])
+        return shapes
+
+    def stepped(self, name: str, step: int) -> ShapeModel:
+        """Variable ``name`` in multiples of ``step`` (sizes the model accepts: its patch, its
+        downsampling): ``name = step * <name>_blocks``, a free variable without axes."""
+        return self.derived(name, Relation(name, (f"{name}_blocks",), scale=step))
+
+    def blocks_of(self, name: str) -> str:
+        """The free variable a stepped variable ``name`` is a multiple of (``name`` itself when it
+        is not stepped)."""
+        return next((r.terms[0] for r in self.relations if r.derived == name and r.terms == (f"{name}_blocks",)), name)
+
+    def step_of(self, name: str) -> int:
+        """The multiple variable ``name`` is in (1: any size)."""
+        return next((r.scale for r in self.relations if r.derived == name and r.terms == (f"{name}_blocks",)), 1)
+
     def without(self, name: str) -> ShapeModel:
-        """Variable ``name`` static again (eager or torch.export cannot vary it)."""
-        return dataclasses.replace(
+        """Variable ``name`` static again (eager or torch.export cannot vary it), and so every
+        variable following it alone (``height = 2*height_blocks``, ``cond_height = 2*height``)."""
+        following = [r.derived for r in self.relations if r.terms == (name,) and not r.constant]
+        shapes = dataclasses.replace(
             self, variables=[v for v in self.variables if v.name != name], relations=self._relations_without(name),
             windows=self._windows_without(name))
+        return functools.reduce(ShapeModel.without, following, shapes)
 
     @property
     def derivations(self) -> list[Relation | Window]:

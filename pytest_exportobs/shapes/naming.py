@@ -68,9 +68,9 @@ def default_name(aligned: AlignedCalls, var: Variable, roles: dict[Axis, Role]) 
     return generic_name(aligned, var)
 
 
-def generic_name(aligned: AlignedCalls, var: Variable) -> str:
-    """``input_dimN`` of the variable's first axis."""
-    leaf, dim = var.axes[0]
+def generic_name(aligned: AlignedCalls, of: Variable | Axis) -> str:
+    """``input_dimN`` of an axis, or of a variable's first axis."""
+    leaf, dim = of.axes[0] if isinstance(of, Variable) else of
     return f"{identifier(aligned.leaf_names[leaf])}_dim{dim}"
 
 

@@ -4,8 +4,8 @@ One model class called with 2-D int masks, a bool mask, a custom 4-D float mask,
 multi-label targets of rank 1 and 2, ``output_hidden_states=True, return_dict=False``, and a
 bfloat16 copy.  Expected outcomes, decided without the plugin: each call structure exports and
 serves its calls (the float32 groups pass, their ONNX serving held-out sizes); the bfloat16 copy
-exports, onnxruntime's CPU provider cannot run it, onnx's reference evaluator does (passed, its
-runtime named); ordinary tests keep their outcomes.
+exports, onnxruntime's CPU provider cannot run it, widened to float32 and rounded at each op's
+outputs it does (passed, its runtime named); ordinary tests keep their outcomes.
 """
 
 from __future__ import annotations
@@ -108,9 +108,10 @@ def test_a_transformers_style_suite_gets_a_graph_per_structure(pytester: pytest.
     assert len(single["graphs"]) >= 4 and all(g["verdict"] == "passed" for g in single["graphs"]), single["reason"]
     masks = {str(g["dims"].get("attention_mask")) for g in single["graphs"]}
     assert {"{'0': 'batch', '1': 'seq'}", "{'0': 'batch', '2': 'seq', '3': 'seq'}"} <= masks, structures
-    half = next(m for m in models.values() if m["runtimes"] == ["onnx-reference"])
-    assert any(note.startswith("run by onnx's reference evaluator: onnxruntime's CPUExecutionProvider has no kernel")
-               and note.endswith(" in bfloat16") for note in half["notes"]), half["notes"]
+    half = next(m for m in models.values() if m["runtimes"] == ["onnxruntime-float32"])
+    widened = ("run by onnxruntime in float32, each op's outputs rounded to their half-precision type (as a "
+               "half-precision kernel computes): onnxruntime's CPUExecutionProvider has no kernel")
+    assert any(note.startswith(widened) and note.endswith(" in bfloat16") for note in half["notes"]), half["notes"]
     assert "INTERNALERROR" not in result.stdout.str()
     _serves_unseen_sizes(single)
 

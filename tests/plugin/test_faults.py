@@ -581,29 +581,48 @@ def _onnxruntime_crashes_on_half_attention(directory: Path) -> bool:
     return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True).returncode < 0
 
 
-@pytest.mark.parametrize("evaluator", [True, False], ids=["reference-evaluator", "too-large-for-it"])
-def test_a_native_crash_of_onnxruntime_keeps_the_session_and_the_reference_evaluator_runs_the_graph(
-        pytester: pytest.Pytester, evaluator: bool) -> None:
-    """onnxruntime segfaults loading an fp16 MultiheadAttention: onnx's reference evaluator runs it
-    instead; a graph too large for the evaluator fails that model alone, kind crash."""
+UNLOADABLE_WIDENED = """
+from pytest_exportobs.engine.verify import runtimes
+
+class Unloadable:
+    def __init__(self, path):
+        raise RuntimeError("no session")
+
+runtimes.WidenedRunner = Unloadable
+"""
+
+
+@pytest.mark.parametrize("runner", ["widened", "reference-evaluator", "none"])
+def test_a_native_crash_of_onnxruntime_keeps_the_session_and_another_runner_runs_the_graph(
+        pytester: pytest.Pytester, runner: str) -> None:
+    """onnxruntime segfaults loading an fp16 MultiheadAttention: the graph widened to float32 runs
+    instead, else onnx's reference evaluator; a graph neither runs fails that model alone, kind
+    crash."""
     if not _onnxruntime_crashes_on_half_attention(pytester.path):
         pytest.skip("this onnxruntime does not crash on an fp16 MultiheadAttention")
     pytester.makepyfile(models=MODELS, test_crash=TEST_NATIVE_CRASH)
-    if not evaluator:
-        pytester.makeconftest("from pytest_exportobs.engine.verify import runtimes\nruntimes.MAX_REFERENCE_NODES = 1\n")
+    if runner != "widened":
+        pytester.makeconftest(UNLOADABLE_WIDENED + ("runtimes.MAX_REFERENCE_NODES = 1\n" if runner == "none" else ""))
     result = pytester.runpytest_subprocess(
         "--export-check", "--export-examples=0", "--junitxml=junit.xml", "--export-report=report.json",
         "-p", "no:cacheprovider", timeout=600)
     assert junit_cases(pytester.path / "junit.xml") == {
         "test_crash::test_half_attention": "passed", "test_crash::test_mlp": "passed",
-        "exportobs::attention-fp16": "passed" if evaluator else "failure", "exportobs::mlp": "passed",
+        "exportobs::attention-fp16": "failure" if runner == "none" else "passed", "exportobs::mlp": "passed",
     }, result.stdout.str()
     models = json.loads((pytester.path / "report.json").read_text())["models"]
     crashed = next(m for m in models if m["name"] == "attention-fp16")
-    if evaluator:
+    crash = "onnxruntime crashed natively (SIGSEGV) creating a session for it, in a process of its own"
+    if runner == "widened":
+        assert crashed["runtimes"] == ["onnxruntime-float32"]
+        assert ("run by onnxruntime in float32, each op's outputs rounded to their half-precision type (as a "
+                f"half-precision kernel computes): {crash}") in crashed["notes"]
+        assert result.ret == 0
+        return
+    if runner == "reference-evaluator":
         assert crashed["runtimes"] == ["onnx-reference"]
-        assert ("run by onnx's reference evaluator: onnxruntime crashed natively (SIGSEGV) creating a session for it, "
-                "in a process of its own") in crashed["notes"]
+        assert (f"run by onnx's reference evaluator: {crash}; widened to float32 it cannot run either (RuntimeError: "
+                "no session)") in crashed["notes"]
         assert result.ret == 0
         return
     assert (crashed["stage"], crashed["kind"]) == ("isolate", "crash")

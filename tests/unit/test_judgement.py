@@ -196,7 +196,7 @@ def test_a_half_precision_model_whose_sides_round_alike_passes_and_one_rounding_
     unit = 2 * torch.finfo(torch.float16).eps  # one unit in the last place at magnitude 3
     signs = torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0)
     eager = (truth.double() + 3 * unit * signs).to(torch.float16)
-    graph = (truth.double() - 3 * unit * signs.roll(1)).to(torch.float16)  # off elsewhere, as much
+    graph = (truth.double() - 5 * unit * signs.roll(1)).to(torch.float16)  # off elsewhere, a little more
     assert _judge(Tripled().half(), x, eager, graph).for_graph
     assert not _judge(Tripled().half(), x, eager, (truth.double() + 40 * unit).to(torch.float16)).for_graph
 

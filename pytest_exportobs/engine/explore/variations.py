@@ -40,6 +40,7 @@ import torch
 
 from ...compat.hypothesis_private import collect_local_constants
 from ...core.trees import detached_clone
+from ...shapes.axis_roles import SPATIAL
 from ...shapes.model import ShapeModel
 from ...shapes.synthesis import (
     Recipe,
@@ -109,14 +110,16 @@ def size_ranges(
     shapes: ShapeModel, max_elements: int = MAX_ELEMENTS, recorded_only: bool = False
 ) -> dict[str, tuple[int, int]]:
     """``(low, high)`` of every free variable: from 2 (or the observed minimum when smaller) up
-    to twice the observed maximum (at least 8, at most 512), highs lowered until the largest
+    to twice the observed maximum (at least 8; an image's side or a signal's length to half again
+    its maximum; at most 512), highs lowered until the largest
     input at the highs has at most ``max_elements`` elements, but not below one size past the
     one the graph was traced at (a size the tests never used stays within reach); a sliding
     window's term reaches past the window's limit when that is within 512.  With
     ``recorded_only`` the sizes of empty stand-ins (a cache absent at prefill) do not count as
     observed."""
     bounds = shapes.bounds(recorded_only)
-    ranges = {name: _range(*bounds[name]) for name in free_variables(shapes)}
+    spatial = {v.name for v in shapes.variables if v.role in SPATIAL}
+    ranges = {name: _range(*bounds[name], name in spatial) for name in free_variables(shapes)}
     for window in shapes.windows:
         if window.term in ranges:
             low, high = ranges[window.term]
@@ -303,8 +306,12 @@ def _near(anchor: int, low: int, high: int) -> hypothesis.strategies.SearchStrat
     return strategies.integers(low - anchor, high - anchor).map(lambda offset: anchor + offset)
 
 
-def _range(observed_min: int, observed_max: int) -> tuple[int, int]:
-    return min(2, observed_min), min(max(2 * observed_max, SMALL_CEILING), MAX_SIZE)
+def _range(observed_min: int, observed_max: int, spatial: bool = False) -> tuple[int, int]:
+    """From 2 to twice the observed maximum (at least :data:`SMALL_CEILING`); an image's side or a
+    signal's length to half again its maximum (the area of an image, and what attention over its
+    patches costs, grows with the square of its sides)."""
+    high = max(observed_max + 1, observed_max * 3 // 2) if spatial else max(2 * observed_max, SMALL_CEILING)
+    return min(2, observed_min), min(high, MAX_SIZE)
 
 
 def _largest_input(shapes: ShapeModel, free: Sizes) -> int:

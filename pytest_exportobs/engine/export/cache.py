@@ -50,8 +50,10 @@ from .domain import Refinement
 # written, no digest of them; 7: the graph file known by the digest of its content, which a
 # cache copied or restored in CI keeps, not by its inode and modification time; 8: failed exports
 # kept, the plugin's code in every key; 9: the graph file's size and time beside its digest, the
-# order of a graph's outputs)
-ENTRY_FORMAT = 10
+# order of a graph's outputs; 10: how torch.export captured the program; 11: the pinned variable
+# of a failure, a probe's refinements replayed)
+ENTRY_FORMAT = 11
+PROBE_REFINEMENTS = ("without", "tied", "stepped")  # the ShapeModel refinements a probe entry replays
 
 
 @dataclass
@@ -105,11 +107,20 @@ class GraphEntry:
 
 @dataclass
 class ProbeEntry:
-    """What probing a shape model's unvaried dims found: the variables kept ``static`` (eager
-    rejects another size) and the notes saying why."""
+    """What probing a shape model's unvaried dims found: the refinements it made, in order (each
+    ``[method, *arguments]`` of :data:`PROBE_REFINEMENTS`: a variable kept static, axes tied to
+    it, its steps), and the notes saying why."""
 
-    static: list[str] = field(default_factory=list)
+    changes: list[list[Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    def applied(self, shapes: ShapeModel) -> ShapeModel:
+        """``shapes`` refined as the probe refined it."""
+        for method, *arguments in self.changes:
+            if method not in PROBE_REFINEMENTS:
+                raise ValueError(f"not a probe's refinement: {method!r}")
+            shapes = getattr(shapes, method)(*arguments)
+        return shapes
 
 
 @dataclass(frozen=True)

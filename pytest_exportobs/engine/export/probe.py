@@ -16,16 +16,17 @@ synthesized input has; :class:`Reach` names the axes held.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils import _pytree
 
+from ...core.configuration import declared_patch
 from ...core.trees import detached_clone
 from ...core.vocabulary import DimSource
+from ...shapes.axis_roles import SPATIAL
 from ...shapes.dims import Axis
 from ...shapes.model import ShapeModel
 from ...shapes.synthesis import build_leaves, complete_sizes, export_sizes, free_variables, rows_repeated
@@ -33,6 +34,7 @@ from ..base.eager import ModelRaised
 from .cache import ExportCache, ProbeEntry
 
 Eager = Callable[[list[Any]], Any]
+STEPS = 5  # doublings of the patch a probe tries on an image's side or a signal's length
 
 
 def probed_unvaried_dims(
@@ -40,38 +42,137 @@ def probed_unvaried_dims(
     cache: ExportCache | None,
 ) -> ShapeModel:
     """:func:`probe_unvaried_dims`, or what it found on an earlier run for the same module,
-    method and shape model (the export ``cache``'s probe entry): no eager run then."""
+    method and shape model (the export ``cache``'s probe entry, replayed): no eager run then."""
     key = cache.probe_key(module, method, shapes) if cache is not None else ""
     entry = cache.load_probe(key) if cache is not None else None
     if entry is None:
-        found: list[str] = []
-        probed = probe_unvaried_dims(shapes, eager, found)
-        kept = {v.name for v in probed.variables}
-        entry = ProbeEntry([v.name for v in shapes.variables if v.name not in kept], found)
+        entry = ProbeEntry()
+        probe_unvaried_dims(Probed(shapes, entry.changes), eager, entry.notes, declared_patch(module))
         if cache is not None:
             with contextlib.suppress(OSError):  # an unwritable cache costs the next run its speed, noted by the export
                 cache.store_probe(key, entry)
     notes.extend(entry.notes)
-    return functools.reduce(ShapeModel.without, entry.static, shapes)
+    return entry.applied(shapes)
 
 
-def probe_unvaried_dims(shapes: ShapeModel, eager: Eager, notes: list[str]) -> ShapeModel:
-    """The shape model without the dynamic variables no call varied that eager rejects one size
-    larger (all at once first: one eager run when the model accepts them all)."""
+@dataclass
+class Probed:
+    """A shape model as a probe refines it, and the refinements made, in order (``[method,
+    *arguments]``: what a :class:`~.cache.ProbeEntry` replays)."""
+
+    shapes: ShapeModel
+    changes: list[list[Any]] = field(default_factory=list)
+
+    def refine(self, method: str, *arguments: Any) -> None:
+        self.shapes = getattr(self.shapes, method)(*arguments)
+        self.changes.append([method, *arguments])
+
+
+def probe_unvaried_dims(probed: Probed, eager: Eager, notes: list[str], patch: int = 1) -> ShapeModel:
+    """The shape model with the dynamic variables no call varied made of sizes eager accepts: one
+    size larger, or, for an image's side and a signal's length, a multiple of ``patch`` (the
+    model's declared patch size) larger, doubled up to :data:`STEPS` times (the model's
+    downsampling), the variable then stepped by it; with the axes of other inputs the model ties
+    to it varied alongside (the fewest it needs), then tied.  A variable eager rejects at every
+    such size is static again.  All at once first: one eager run when the model accepts them all."""
+    shapes = probed.shapes
     free = free_variables(shapes)
     candidates = [v.name for v in shapes.variables if v.source in (DimSource.ROLE, DimSource.GUESS) and v.name in free]
-    if not candidates:
-        return shapes
     base = _free_sizes(shapes)
-    if _rejection(shapes, eager, {name: base[name] + 1 for name in candidates}) is None:
-        return shapes
-    probed = shapes
+    first = {name: _steps(shapes, name, base[name], patch)[0] for name in candidates}
+    if candidates and _rejection(shapes, eager, {name: base[name] + first[name] for name in candidates}) is None:
+        for name in candidates:
+            _step(probed, name, first[name], notes)
+        return probed.shapes
     for name in candidates:
-        error = _rejection(probed, eager, {name: base[name] + 1})
-        if error is not None and not _runs_rows_repeated(probed, eager, name, base[name] + 1):
-            probed = probed.without(name)
-            notes.append(f"{name} kept static: eager rejects {name}={base[name] + 1} ({error})")
-    return probed
+        if name not in free_variables(probed.shapes):
+            continue  # tied to a variable probed before
+        if _accept(probed, eager, name, base[name], _steps(probed.shapes, name, base[name], patch), notes):
+            continue
+        if not _runs_rows_repeated(probed.shapes, eager, name, base[name] + 1):
+            error = _rejection(probed.shapes, eager, {name: base[name] + first[name]})
+            probed.refine("without", name)
+            notes.append(f"{name} kept static: eager rejects {name}={base[name] + first[name]} ({error})")
+    return probed.shapes
+
+
+def _steps(shapes: ShapeModel, name: str, size: int, patch: int) -> list[int]:
+    """What a probe adds to variable ``name`` of ``size``: 1, or for an image's side or a signal's
+    length ``patch`` doubled up to :data:`STEPS` times, within ``size``."""
+    var = next(v for v in shapes.variables if v.name == name)
+    if var.role not in SPATIAL:
+        return [1]
+    return [patch << k for k in range(STEPS) if patch << k <= max(size, patch)]
+
+
+def _accept(probed: Probed, eager: Eager, name: str, size: int, steps: list[int], notes: list[str]) -> bool:
+    """Whether eager accepts variable ``name`` at the first size past ``size`` by one of ``steps``,
+    alone or with the fewest axes the model ties to it varied alongside (:func:`tied_axes`); if
+    so, the variable is refined so (tied, stepped)."""
+    shapes = probed.shapes
+    partners = tied_axes(shapes, name)
+    for step in steps:
+        changed = {name: size + step}
+        if _rejection(shapes, eager, changed) is None:
+            _step(probed, name, step, notes)
+            return True
+        tried = [partners, *([p] for p in partners)] if len(partners) > 1 else [partners] if partners else []
+        needed = next((ties for ties in tried if _rejection(shapes.tied(name, ties), eager, changed) is None), None)
+        if needed is None:
+            continue
+        for partner in list(needed) if len(needed) > 1 else []:  # the fewest the model needs
+            fewer = [p for p in needed if p != partner]
+            if _rejection(shapes.tied(name, fewer), eager, changed) is None:
+                needed = fewer
+        axes = ", ".join(f"{shapes.aligned.leaf_names[leaf]}.{dim}" + (f" ({scale}x)" if scale > 1 else "")
+                         for (leaf, dim), scale in needed)
+        notes.append(f"{axes} tied to {name}: eager runs {name}={size + step} with them varied alongside, not alone")
+        probed.refine("tied", name, needed)
+        _step(probed, name, step, notes)
+        return True
+    return False
+
+
+def _step(probed: Probed, name: str, step: int, notes: list[str]) -> None:
+    """Variable ``name`` in multiples of ``step`` when that is more than 1 and every recorded size
+    is one, with a note."""
+    var = next(v for v in probed.shapes.variables if v.name == name)
+    if step > 1 and not any(size % step for size in var.known):
+        probed.refine("stepped", name, step)
+        notes.append(f"{name} in multiples of {step}: sizes the model accepts (its patch or downsampling)")
+
+
+def tied_axes(shapes: ShapeModel, name: str) -> list[tuple[Axis, int]]:
+    """``(axis, scale)`` of every axis of another input whose size is ``scale`` times variable
+    ``name``'s in every call (scale a whole number): a static axis, or the first axis of another
+    free variable the tests never varied.  The model may tie them (``img_ids``' tokens to
+    ``hidden_states``'); a probe finds which it does."""
+    var = next(v for v in shapes.variables if v.name == name)
+    free = set(free_variables(shapes)) - {name}
+    unvaried = {v.name for v in shapes.variables if v.name in free and v.source in (DimSource.ROLE, DimSource.GUESS)}
+    own = {leaf for leaf, _ in var.axes}
+    found = []
+    for leaf, sizes in enumerate(zip(*shapes.aligned.shapes())):
+        if leaf in own or not shapes.aligned.is_tensor_leaf(leaf):
+            continue
+        rank = next((len(s) for s in sizes if s is not None), 0)
+        for dim in range(rank):
+            other = shapes.variable_of((leaf, dim))
+            if other is not None and (other.name not in unvaried or other.axes[0] != (leaf, dim)):
+                continue
+            scale = _scale(var.values, [s[dim] if s is not None else None for s in sizes])
+            if scale:
+                found.append(((leaf, dim), scale))
+    return found
+
+
+def _scale(sizes: list[int | None], others: list[int | None]) -> int:
+    """The whole number ``others`` are times ``sizes`` wherever both are known (0: none)."""
+    pairs = [(a, b) for a, b in zip(sizes, others) if a and b is not None]
+    if not pairs or pairs[0][1] % pairs[0][0]:
+        return 0
+    scale = pairs[0][1] // pairs[0][0]
+    return scale if all(b == scale * a for a, b in pairs) else 0
 
 
 @dataclass(frozen=True)
