@@ -25,7 +25,7 @@ PROVENANCE_KEYS = frozenset({"_name_or_path", "_commit_hash", "name_or_path"})
 ATTENTION_KEY = "_attn_implementation"  # in configuration_text: the attention implementations, private to transformers
 # module attributes that change nothing a model computes in eval mode without gradients
 INERT_WORDS = ("drop", "checkpointing")
-PLAIN = (int, float, bool, str, type(None))
+PLAIN = (int, float, bool, str, type(None))  # module attributes read by value
 
 
 def configuration_text(module: Any) -> str:
@@ -85,18 +85,21 @@ def declared_maximum(module: Any, size: int) -> str:
     return ""
 
 
-def computation(module: Any) -> str:
-    """What each submodule computes with besides its weights, as text: its class and its public
-    attributes that are values (numbers, strings, tuples of them) or objects named by their class
-    (an attention processor, an activation function); not those inert in eval mode without
-    gradients (dropout rates, gradient checkpointing) nor where it was loaded from.  Two UNets of
-    one parameter layout whose attention heads or normalization groups differ compute differently:
-    their texts differ."""
+def computation(module: Any, constants: bool = False) -> str:
+    """What shapes each submodule's graph besides its weights, as text: its class and its public
+    attributes that are whole numbers, flags, strings (or tuples of them) or objects named by
+    their class (an attention processor, an activation function); not floats (an epsilon sets a
+    constant of the same graph: the exported instance serves another's calls, their references
+    recomputed on it), those inert in eval mode without gradients (dropout rates, gradient
+    checkpointing) nor where it was loaded from.  Two UNets of one parameter layout whose attention
+    heads or normalization groups differ compute differently: their texts differ.  With
+    ``constants``, floats too: what a trace of the module bakes into its graph."""
     parts = []
     for name, sub in module.named_modules():
         if any(word in type(sub).__name__.lower() for word in INERT_WORDS):
             continue
-        described = sorted((key, _described(value)) for key, value in vars(sub).items() if _computes(key, value))
+        described = sorted((key, _described(value)) for key, value in vars(sub).items()
+                           if _computes(key, value) and (constants or not isinstance(value, float)))
         parts.append(f"{name}:{type(sub).__qualname__}{described}")
     return "\n".join(parts)
 

@@ -172,3 +172,33 @@ def test_gradients_are_released_once_only_the_store_holds_the_model() -> None:
     kept = trained(store, "kept to the end")
     store.release_gradients(every_group=True)
     assert kept.weight.grad is None and kept.bias.grad is None
+
+
+class Attention(torch.nn.Module):
+    """One projection split into ``heads`` heads; ``eps`` a constant of the same graph."""
+
+    def __init__(self, heads: int = 2, eps: float = 1e-6, activation: str = "gelu") -> None:
+        super().__init__()
+        self.heads, self.eps, self.activation = heads, eps, activation
+        self.proj = torch.nn.Linear(8, 8)
+        self.dropout = torch.nn.Dropout(0.1)
+        self.seen: list[int] = []  # state a model changes as it runs
+        self.name_or_path = "/tmp/any-checkpoint"  # where it was loaded from
+
+
+def test_instances_whose_graphs_differ_are_groups_of_their_own_and_constants_or_state_do_not_split() -> None:
+    """Heads, a flag, an activation's name shape the graph; an epsilon is a constant of it, a
+    dropout rate is inert in eval mode, a list is state, a checkpoint path is provenance."""
+    base = identity(Attention())
+    assert identity(Attention(heads=4)) != base
+    assert identity(Attention(activation="silu")) != base
+    same = Attention(eps=1.0)
+    same.dropout.p, same.seen, same.name_or_path = 0.5, [1, 2], "/tmp/another"
+    assert identity(same) == base
+
+
+def test_a_cached_trace_tells_instances_apart_by_the_constants_their_graphs_bake_in() -> None:
+    from pytest_exportobs.core.configuration import computation
+
+    assert computation(Attention(eps=1.0)) == computation(Attention())
+    assert computation(Attention(eps=1.0), constants=True) != computation(Attention(), constants=True)

@@ -294,7 +294,7 @@ def _module_digest(module: torch.nn.Module) -> Any:
     as plain attributes."""
     digest = hashlib.sha256()
     classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules()})
-    digest.update(json.dumps([classes, configuration_text(module), computation(module)]).encode())
+    digest.update(json.dumps([classes, configuration_text(module), computation(module, constants=True)]).encode())
     for source in _source_files(module):
         digest.update(source.encode())
     for name, tensor in module_state(module).items():
