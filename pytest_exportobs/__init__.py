@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.7.0"  # the newest release in CHANGELOG.md (tests/unit/test_version.py)
 
 _PUBLIC = {  # public name -> module defining it
     "InputObserver": "api.observer",

@@ -16,13 +16,15 @@ from typing import Any, TypeGuard
 
 import torch
 
+from ..core.vocabulary import AxisRole
+
 LLM = "llm"
-LLM_DIM_NAMES = {  # our role names -> the names of ONNX Runtime GenAI and yobx
-    "batch": "batch_size",
-    "seq": "sequence_length",
-    "past_seq": "past_sequence_length",
-    "total_seq": "total_sequence_length",
-    "encoder_seq": "encoder_sequence_length",
+LLM_DIM_NAMES: dict[str, str] = {  # our role names -> the names of ONNX Runtime GenAI and yobx
+    AxisRole.BATCH: "batch_size",
+    AxisRole.SEQ: "sequence_length",
+    AxisRole.PAST_SEQ: "past_sequence_length",
+    AxisRole.TOTAL_SEQ: "total_sequence_length",
+    AxisRole.ENCODER_SEQ: "encoder_sequence_length",
 }
 
 Axes = dict[int, Any]

@@ -206,7 +206,7 @@ class _ModelCheck:
         except (TypeError, ValueError) as e:  # calls that disagree, bad marker options
             raise ModelProblem(Stage.INFER, Kind.ERROR, str(e)) from e
         timings = self.result.model_timings
-        timings["infer"] = timings.get("infer", 0.0) + time.perf_counter() - begin
+        timings[Stage.INFER] = timings.get(Stage.INFER, 0.0) + time.perf_counter() - begin
         if not self.result.inferred:  # the largest family's
             summary = joint.to_json()
             self.result.inferred = {k: summary[k] for k in ("dims", "relations", "bounds")}

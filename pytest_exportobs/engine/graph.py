@@ -200,7 +200,7 @@ class GraphCheck:
         references = [context.references[c] for c in self.plan.calls]
         float64 = context.float64(self.shapes) if arbitrated else None
         found = context.quiet(lambda: verify_calls(runner, leaves, references, context.tolerance, self.layout, float64))
-        result.timings["verify"] = time.perf_counter() - begin
+        result.timings[Stage.VERIFY] = time.perf_counter() - begin
         call_ids = [context.ids[c] for c in self.plan.calls]
         result.notes.extend(note for note in (padded_note(found, call_ids), float64_note(found, call_ids)) if note)
         stood_in = {i for i in range(len(self.plan.calls)) if None in self.shapes.aligned.calls[i]}
@@ -322,7 +322,7 @@ class GraphCheck:
             pad_token_id=getattr(getattr(context.module, "config", None), "pad_token_id", None),
             asserted=self.asserted, float64=context.float64(self.shapes),
         ))
-        result.timings["variations"] = time.perf_counter() - begin
+        result.timings[Stage.VARIATIONS] = time.perf_counter() - begin
         result.variations = variation.to_json()
         guessed = bool(variation.failed and moved_guesses(self.shapes, variation))  # then kept static (see _stages)
         if cache and key and (not variation.failed or guessed):

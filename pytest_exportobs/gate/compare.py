@@ -13,8 +13,9 @@ import sys
 from dataclasses import dataclass
 
 from .baseline import Baseline, BaselineError
-from .judge import Change, Gate, gate, listed, states
-from .reports import Report, markdown_table
+from .judge import Change, Gate, gate, states
+from .render import listed, markdown_table, versions_text
+from .reports import Report
 
 PROG = "python -m pytest_exportobs.compare"
 _COLUMNS = ("model", "before", "now")
@@ -48,7 +49,7 @@ class Comparison:
         def line(name: str, label: str, state: str) -> str:
             return f"{name:<{width}}  {label:<{len(UNCHANGED)}}  {state}"
 
-        lines = [f"versions changed: {self.gate.versions_text()}"]
+        lines = [f"versions changed: {versions_text(self.gate.versions)}"]
         for c in self.rows:
             if c.before == c.now:
                 lines.append(line(c.name, UNCHANGED, c.now))
@@ -60,7 +61,7 @@ class Comparison:
         """A table of every model (for a CI step summary)."""
         rows = ([c.name, c.before, UNCHANGED if c.now == c.before else c.now] for c in self.rows)
         blocks = [
-            "# exportobs compare", f"Versions changed: {self.gate.versions_text()}",
+            "# exportobs compare", f"Versions changed: {versions_text(self.gate.versions)}",
             markdown_table(_COLUMNS, rows), self.summary_line(),
         ]
         return "\n\n".join(blocks) + "\n"

@@ -1,14 +1,12 @@
 """The gate: judge a session's results against the baseline, one outcome per model, and name the
-package versions that changed since the baseline."""
+package versions that changed since the baseline.  The judge decides; :mod:`.render` writes what
+it decided (the terminal's gate line, JSON, Markdown)."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from collections import Counter
 from collections.abc import Set
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..core.text import format_dims
 from ..core.vocabulary import STAGES_WITH_DIMS, GateOutcome, Verdict
@@ -16,9 +14,6 @@ from ..engine.base.result import ModelResult
 from .baseline import Baseline, BaselineEntry, session_env
 
 UPDATE_HINT = "run with --export-baseline-update to record"
-# Outcomes counted in an ok summary line besides passed; {s} is the plural mark.
-_COUNTED = {GateOutcome.XFAILED: "known failure{s}", GateOutcome.XPASSED: "fixed", GateOutcome.SKIPPED: "skipped",
-            GateOutcome.MISSING: "missing"}
 NOT_IN_BASELINE = "not in the baseline"
 ABSENT = "absent"  # the state of a model on the side that does not have it
 # package -> (version in the baseline, version now), for the packages whose version changed
@@ -93,53 +88,6 @@ class Gate:
     @property
     def regressions(self) -> list[GateEntry]:
         return [e for e in self.entries if e.regression]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "failed": self.failed, "summary": self.summary_line(),
-            "entries": [dataclasses.asdict(e) for e in self.entries],
-            "versions": {package: list(pair) for package, pair in self.versions.items()},
-            "changes": [dataclasses.asdict(c) for c in self.changes],
-            "uncollected": list(self.uncollected),
-        }
-
-    def versions_text(self) -> str:
-        """``torch 2.13.0 → 2.15.0, transformers 4.57.6 → 5.23.0``, or ``none``."""
-        return ", ".join(f"{p} {old} → {new}" for p, (old, new) in self.versions.items()) or "none"
-
-    def summary_line(self) -> str:
-        """``exportobs gate: ok (3 passed, 1 known failure, 0 regressions)`` or what failed."""
-        if self.failed:
-            failures = [e for e in self.entries if e.outcome == GateOutcome.FAILED and not e.regression]
-            parts = [listed(self.regressions, "regression{s}"), listed(failures, "failure{s}")]
-            line = ", ".join(part for part in parts if part)
-        else:
-            line = f"ok ({self._counts()})"
-        fixed = [e.name for e in self.entries if e.outcome == GateOutcome.XPASSED]
-        if fixed:
-            line += f"; fixed: {', '.join(fixed)} — {UPDATE_HINT} {'it' if len(fixed) == 1 else 'them'}"
-        if self.uncollected:
-            line += f"; {_count(len(self.uncollected), 'baseline model{s}')} not collected here"
-        return f"exportobs gate: {line}"
-
-    def _counts(self) -> str:
-        count = Counter(e.outcome for e in self.entries)
-        parts = [f"{count[GateOutcome.PASSED]} passed"]
-        parts += [_count(count[outcome], label) for outcome, label in _COUNTED.items() if count[outcome]]
-        parts.append("0 regressions" if self.has_baseline else "no baseline")
-        return ", ".join(parts)
-
-
-def _count(n: int, label: str) -> str:
-    """``_count(2, "regression{s}") == "2 regressions"``."""
-    return f"{n} {label.format(s='' if n == 1 else 's')}"
-
-
-def listed(entries: list[GateEntry], label: str) -> str:
-    """``2 regressions (lm: …; vit: …)``, or "" without entries."""
-    if not entries:
-        return ""
-    return f"{_count(len(entries), label)} ({'; '.join(f'{e.name}: {e.message}' for e in entries)})"
 
 
 def _at(what: str, stage: str) -> str:

@@ -18,6 +18,7 @@ from ..core.vocabulary import Verdict
 from ..engine.base.result import ModelResult
 from .baseline import Baseline, BaselineError, session_env, update_baseline
 from .judge import gate
+from .render import summary_line
 from .reports import Report, write_reports
 
 PROG = "python -m pytest_exportobs.merge"
@@ -59,5 +60,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline_update:
         update_baseline(args.baseline, results, checked=[r.name for r in results])
     counts = f"{len(args.reports)} report{'s' * (len(args.reports) > 1)}, {len(results)} models"
-    print(f"exportobs merge: {counts}; {judged.summary_line()}")
+    print(f"exportobs merge: {counts}; {summary_line(judged)}")
     return 1 if judged.failed else 0

@@ -20,6 +20,7 @@ from ..core.vocabulary import Kind, Stage, Verdict
 from ..engine.base.result import ModelResult
 from ..gate.baseline import Baseline, BaselineError, BaselineUpdate, update_baseline
 from ..gate.judge import Gate, gate
+from ..gate.render import summary_line
 from .options import Options
 from .outcomes import log_outcomes, summary_rows
 
@@ -81,7 +82,7 @@ class Concluding:
         terminalreporter.write_sep("=", "exportobs")
         for row in summary_rows(self.results, self.gate):
             terminalreporter.write_line(row)
-        terminalreporter.write_line(self.gate.summary_line(), red=self.gate.failed, green=not self.gate.failed)
+        terminalreporter.write_line(summary_line(self.gate), red=self.gate.failed, green=not self.gate.failed)
         for note in self.notes:
             terminalreporter.write_line(note)
         for problem in self.problems:

@@ -128,6 +128,14 @@ def test_top_level_modules_are_facades() -> None:
     assert layer("pytest_exportobs.gate") == layer("pytest_exportobs.gate.compare") == LAYERS.index("gate")
 
 
+def test_the_judge_decides_and_one_module_renders() -> None:
+    """The gate's text (its terminal line, JSON, Markdown) is written in ``gate.render`` alone:
+    the judge imports no renderer, and the report files take their text from it."""
+    assert "pytest_exportobs.gate.render" not in GRAPH["pytest_exportobs.gate.judge"]
+    assert "pytest_exportobs.gate.reports" not in GRAPH["pytest_exportobs.gate.judge"]
+    assert "pytest_exportobs.gate.render" in GRAPH["pytest_exportobs.gate.reports"]
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_module_and_function_sizes(name: str) -> None:
     text = MODULES[name].read_text()

@@ -9,6 +9,7 @@ from pytest_exportobs.core.files import json_text
 from pytest_exportobs.engine.base.result import GraphResult, ModelResult
 from pytest_exportobs.gate.baseline import Baseline
 from pytest_exportobs.gate.judge import Change, GateEntry, changed_versions, gate, state
+from pytest_exportobs.gate.render import gate_json, summary_line, versions_text
 
 OLD_ENV = {"onnx": "1.19.0", "torch": "2.13.0", "transformers": "4.57.6"}
 X = {"x": {"0": "batch", "1": "seq"}}
@@ -29,9 +30,9 @@ def test_regression_names_the_package_that_changed():
     g = gate(recorded(ModelResult("mlp", "passed")), [now("mlp", "failed", env, stage="torch.export")])
     message = "passed→failed at torch.export (passed with transformers 4.57.6, fails with transformers 5.23.0)"
     assert g.entries == [GateEntry("mlp", "failed", message, regression=True)]
-    assert g.summary_line() == f"exportobs gate: 1 regression (mlp: {message})"
+    assert summary_line(g) == f"exportobs gate: 1 regression (mlp: {message})"
     assert g.versions == {"transformers": ("4.57.6", "5.23.0")}
-    assert g.versions_text() == "transformers 4.57.6 → 5.23.0"
+    assert versions_text(g.versions) == "transformers 4.57.6 → 5.23.0"
 
 
 def test_several_changed_packages_are_listed_by_name():
@@ -41,7 +42,7 @@ def test_several_changed_packages_are_listed_by_name():
         "passed→failed at verify (passed with onnx 1.19.0, torch 2.13.0 and transformers 4.57.6, "
         "fails with onnx 1.20.0, torch 2.15.0 and transformers 5.23.0)"
     )
-    assert g.versions_text() == "onnx 1.19.0 → 1.20.0, torch 2.13.0 → 2.15.0, transformers 4.57.6 → 5.23.0"
+    assert versions_text(g.versions) == "onnx 1.19.0 → 1.20.0, torch 2.13.0 → 2.15.0, transformers 4.57.6 → 5.23.0"
 
 
 def test_dims_that_became_static_name_the_versions_once():
@@ -69,7 +70,7 @@ def test_unchanged_versions_and_packages_on_one_side_only_are_not_named():
     g = gate(recorded(ModelResult("mlp", "passed"), env={"torch": "2.13.0"}),
              [now("mlp", "failed", {"torch": "2.13.0", "transformers": "5.23.0"}, stage="torch.export")])
     assert g.entries[0].message == "passed→failed at torch.export"
-    assert g.versions_text() == "none"
+    assert versions_text(g.versions) == "none"
 
 
 def test_a_baseline_without_env_names_no_version():
@@ -132,6 +133,6 @@ def test_state_shows_dims_only_where_the_check_knew_them():
 
 def test_gate_json_carries_versions_and_changes():
     env = {**OLD_ENV, "torch": "2.15.0"}
-    data = gate(recorded(ModelResult("mlp", "passed")), [now("mlp", "failed", env, stage="verify")]).to_json()
+    data = gate_json(gate(recorded(ModelResult("mlp", "passed")), [now("mlp", "failed", env, stage="verify")]))
     assert data["versions"] == {"torch": ["2.13.0", "2.15.0"]}
     assert data["changes"] == [{"name": "mlp", "before": "passed, static", "now": "failed at verify, static"}]

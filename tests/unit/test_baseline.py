@@ -11,6 +11,7 @@ import pytest
 from pytest_exportobs.engine.base.result import GraphResult, ModelResult
 from pytest_exportobs.gate.baseline import Baseline, BaselineEntry, BaselineError
 from pytest_exportobs.gate.judge import GateEntry, gate
+from pytest_exportobs.gate.render import summary_line
 
 HINT = "run with --export-baseline-update to record it"
 LM_DIMS = {"input_ids": {"0": "batch", "1": "seq"}}
@@ -46,7 +47,7 @@ def test_without_baseline_each_verdict_decides():
         GateEntry("vit", "failed", "failed at torch.export"),
     ]
     assert g.failed
-    assert g.summary_line() == (
+    assert summary_line(g) == (
         "exportobs gate: 2 failures (crashed: incomplete at ort-load; vit: failed at torch.export)"
     )
 
@@ -54,7 +55,7 @@ def test_without_baseline_each_verdict_decides():
 def test_without_baseline_all_passed():
     g = gate(None, [result("lm"), result("idle", "skipped")], strict=False)
     assert not g.failed
-    assert g.summary_line() == "exportobs gate: ok (1 passed, 1 skipped, no baseline)"
+    assert summary_line(g) == "exportobs gate: ok (1 passed, 1 skipped, no baseline)"
 
 
 # -- regressions ----------------------------------------------------------------------------
@@ -64,7 +65,7 @@ def test_passed_then_failed_is_a_regression():
     g = gate(baseline(result("lm")), [result("lm", "failed", stage="torch.export")], strict=False)
     assert g.entries == [GateEntry("lm", "failed", "passed→failed at torch.export", regression=True)]
     assert g.failed
-    assert g.summary_line() == "exportobs gate: 1 regression (lm: passed→failed at torch.export)"
+    assert summary_line(g) == "exportobs gate: 1 regression (lm: passed→failed at torch.export)"
 
 
 def test_dim_that_became_static_is_a_regression():
@@ -75,7 +76,7 @@ def test_dim_that_became_static_is_a_regression():
         strict=False,
     )
     assert [(e.outcome, e.regression) for e in g.entries] == [("failed", True), ("failed", True)]
-    assert g.summary_line() == (
+    assert summary_line(g) == (
         "exportobs gate: 2 regressions "
         "(lm: passed→failed at torch.export; vit: dim pixel_values.2 (height) became static)"
     )
@@ -125,7 +126,7 @@ def test_an_input_renamed_with_the_same_leaves_and_dims_is_a_note_not_a_regressi
     g = gate(old, [now], strict=False)
     renamed = "input past_key_values is now named cache: its dims are compared under the new name"
     assert g.entries == [GateEntry("llama", "passed", notes=[renamed])]
-    assert not g.failed and g.summary_line() == "exportobs gate: ok (1 passed, 0 regressions)"
+    assert not g.failed and summary_line(g) == "exportobs gate: ok (1 passed, 0 regressions)"
 
 
 def test_a_dim_that_became_static_under_a_rename_is_still_a_regression():
@@ -164,7 +165,7 @@ def test_max_abs_growth_within_tolerance_is_a_note():
 def test_max_abs_beyond_tolerance_is_a_regression():
     old = baseline(result("lm", max_abs=3.1e-07, atol=1e-4))
     now = result("lm", "failed", stage="verify", kind="mismatch", max_abs=0.5, atol=1e-4)
-    assert gate(old, [now], strict=False).summary_line() == (
+    assert summary_line(gate(old, [now], strict=False)) == (
         "exportobs gate: 1 regression (lm: passed→failed at verify)"
     )
 
@@ -178,7 +179,7 @@ def test_known_failure_is_xfailed_and_the_gate_passes():
     g = gate(old, now, strict=True)
     assert g.entries[-1] == GateEntry("lm", "xfailed", "known failure at torch.export")
     assert not g.failed
-    assert g.summary_line() == "exportobs gate: ok (3 passed, 1 known failure, 0 regressions)"
+    assert summary_line(g) == "exportobs gate: ok (3 passed, 1 known failure, 0 regressions)"
 
 
 def test_incomplete_counts_as_failed():
@@ -196,7 +197,7 @@ def test_fixed_model_is_xpassed_with_a_hint():
     fixed = "fixed: failed at torch.export in the baseline, passes now"
     assert g.entries[1] == GateEntry("vit", "xpassed", fixed)
     assert not g.failed
-    assert g.summary_line() == f"exportobs gate: ok (1 passed, 1 fixed, 0 regressions); fixed: vit — {HINT}"
+    assert summary_line(g) == f"exportobs gate: ok (1 passed, 1 fixed, 0 regressions); fixed: vit — {HINT}"
 
 
 def test_fixed_model_fails_in_strict_mode():
@@ -205,12 +206,12 @@ def test_fixed_model_fails_in_strict_mode():
     message = f"fixed: failed at torch.export in the baseline, passes now (strict) — {HINT}"
     assert g.entries == [GateEntry("vit", "failed", message)]
     assert g.failed
-    assert g.summary_line() == f"exportobs gate: 1 failure (vit: {message})"
+    assert summary_line(g) == f"exportobs gate: 1 failure (vit: {message})"
 
 
 def test_several_fixed_models_are_named_together():
     old = baseline(result("a", "failed"), result("b", "failed"))
-    assert gate(old, [result("a"), result("b")], strict=False).summary_line() == (
+    assert summary_line(gate(old, [result("a"), result("b")], strict=False)) == (
         "exportobs gate: ok (0 passed, 2 fixed, 0 regressions); "
         "fixed: a, b — run with --export-baseline-update to record them"
     )
@@ -220,10 +221,10 @@ def test_missing_model_is_reported_and_fails_in_strict_mode():
     old = baseline(result("gone"), result("lm"))
     g = gate(old, [result("lm")], strict=False)
     assert g.entries[0] == GateEntry("gone", "missing", "in the baseline but not observed")
-    assert g.summary_line() == "exportobs gate: ok (1 passed, 1 missing, 0 regressions)"
+    assert summary_line(g) == "exportobs gate: ok (1 passed, 1 missing, 0 regressions)"
     strict = gate(old, [result("lm")], strict=True)
     assert strict.failed
-    assert strict.summary_line() == (
+    assert summary_line(strict) == (
         "exportobs gate: 1 failure (gone: in the baseline but not observed (strict))"
     )
 
@@ -234,7 +235,7 @@ def test_a_model_whose_tests_were_not_collected_is_left_out_not_missing():
     shard = gate(old, [result("lm", sources=["t.py::test_lm"])], strict=True, collected={"t.py::test_lm"})
     assert [(e.name, e.outcome) for e in shard.entries] == [("lm", "passed"), ("old", "failed")]
     assert shard.uncollected == ["vit"]
-    assert shard.summary_line() == (
+    assert summary_line(shard) == (
         "exportobs gate: 1 failure (old: in the baseline but not observed (strict)); "
         "1 baseline model not collected here")
     skipped = gate(old, [], collected={"u.py::test_vit"})  # collected but not observed (skipped test, ...)
@@ -251,13 +252,13 @@ def test_model_absent_from_the_baseline_is_checked_on_its_own():
         GateEntry("ok", "passed", notes=["not in the baseline"]),
     ]
     assert g.failed
-    assert g.summary_line() == "exportobs gate: 1 failure (new: failed at verify)"
+    assert summary_line(g) == "exportobs gate: 1 failure (new: failed at verify)"
 
 
 def test_regressions_and_failures_in_one_line():
     old = baseline(result("lm"), result("vit", "failed"))
     now = [result("lm", "failed", stage="verify"), result("new", "failed"), result("vit")]
-    assert gate(old, now, strict=False).summary_line() == (
+    assert summary_line(gate(old, now, strict=False)) == (
         "exportobs gate: 1 regression (lm: passed→failed at verify), 1 failure (new: failed); "
         f"fixed: vit — {HINT}"
     )
