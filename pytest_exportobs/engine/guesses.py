@@ -2,7 +2,7 @@
 
 A guessed dim (an image's side, a generic input's axis, no role demanding it) may be one the model
 takes in steps only (a pipeline's latents have even sides; a cropped position table's arithmetic
-translated for even sizes): explored again in steps twice as large (:func:`stepped`).  Otherwise
+translated for even sizes): explored again in larger steps (:func:`stepped`).  Otherwise
 the graph serves the traced size only (a branch on a size traced once): static again
 (:func:`kept_static`).  Either way a note names the failing line, and the graph's verdict does not
 rest on a size no call had.
@@ -26,8 +26,9 @@ Refine = Callable[[ShapeModel, VariationOutcome, str, list[str]], ShapeModel | N
 
 def stepped(shapes: ShapeModel, variation: VariationOutcome, onnx_path: str, notes: list[str]) -> ShapeModel | None:
     """The shape model with the sides a failing variation moved (those of images and signals the
-    tests never varied, and only those) in steps twice as large, at most :data:`MAX_STEP`, when
-    the failing sizes are no such multiple and the traced ones are; ``None`` otherwise."""
+    tests never varied, and only those) in larger steps: 2 at first (a pipeline's latents have
+    even sides), then :data:`MAX_STEP` (a patch of a downsampled grid), when the failing sizes
+    are no such multiple and the traced ones are; ``None`` otherwise."""
     spatial = {shapes.blocks_of(v.name): v.name for v in shapes.variables
                if v.axes and v.source == DimSource.GUESS and v.role in SPATIAL}
     free = moved_guesses(shapes, variation)
@@ -36,8 +37,9 @@ def stepped(shapes: ShapeModel, variation: VariationOutcome, onnx_path: str, not
     moved = [spatial[name] for name in free]
     traced = export_sizes(shapes)
     sizes = complete_sizes(shapes, {**traced, **(variation.failing_sizes or {})})
-    steps = {name: 2 * shapes.step_of(name) for name in moved}
-    if any(traced[name] % step or step > MAX_STEP or sizes[name] % step == 0 for name, step in steps.items()):
+    steps = {name: 2 if shapes.step_of(name) == 1 else MAX_STEP for name in moved}
+    if any(traced[name] % step or step <= shapes.step_of(name) or sizes[name] % step == 0
+           for name, step in steps.items()):
         return None
     line = failure_line(onnx_path, variation.detail)
     shown = ", ".join(f"{name}={sizes[name]}" for name in moved)
