@@ -27,12 +27,13 @@ Refine = Callable[[ShapeModel, VariationOutcome, str, list[str]], ShapeModel | N
 def stepped(shapes: ShapeModel, variation: VariationOutcome, onnx_path: str, notes: list[str]) -> ShapeModel | None:
     """The shape model with the sides a failing variation moved (those of images and signals the
     tests never varied, and only those) in larger steps: 2 at first (a pipeline's latents have
-    even sides), then :data:`MAX_STEP` (a patch of a downsampled grid), when the failing sizes
-    are no such multiple and the traced ones are; ``None`` otherwise."""
+    even sides), then :data:`MAX_STEP` (a patch of a downsampled grid), when the graph raises
+    there (an error, never wrong numbers: a deployment at such a size is told, not misled) and
+    the failing sizes are no such multiple and the traced ones are; ``None`` otherwise."""
     spatial = {shapes.blocks_of(v.name): v.name for v in shapes.variables
                if v.axes and v.source == DimSource.GUESS and v.role in SPATIAL}
     free = moved_guesses(shapes, variation)
-    if not free or any(name not in spatial for name in free):
+    if variation.max_abs is not None or not free or any(name not in spatial for name in free):
         return None
     moved = [spatial[name] for name in free]
     traced = export_sizes(shapes)
@@ -59,9 +60,11 @@ def kept_static(shapes: ShapeModel, variation: VariationOutcome, onnx_path: str,
     if not guessed:
         return None
     line = failure_line(onnx_path, variation.detail)
-    failing = variation.failing_sizes or {}
-    sizes = ", ".join(f"{name}={failing[name]}" for name in guessed)
-    notes.append(f"{', '.join(guessed)} kept static: the tests never varied them and the graph fails at {sizes} "
+    stepped_by = {shapes.blocks_of(v.name): v.name for v in shapes.variables if v.axes}  # a step's free variable
+    named = [stepped_by.get(name, name) for name in guessed]
+    sizes = complete_sizes(shapes, {**export_sizes(shapes), **(variation.failing_sizes or {})})
+    shown = ", ".join(f"{name}={sizes[name]}" for name in named)
+    notes.append(f"{', '.join(named)} kept static: the tests never varied them and the graph fails at {shown} "
                  f"({f'in {line}' if line else variation.detail}), where eager runs")
     for name in guessed:
         shapes = shapes.without(name)

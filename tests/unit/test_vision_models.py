@@ -76,35 +76,41 @@ def test_a_rerun_on_the_export_cache_keeps_the_sides_torch_pinned_static(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_guessed_side_the_graph_serves_at_the_traced_size_only_is_kept_static_with_the_failing_line(
+def test_guessed_sides_the_graph_raises_at_when_odd_are_kept_in_steps_of_two_with_the_failing_line(
         tmp_path: Path) -> None:
     """MobileViT at one image size: eager interpolates sides that are no multiple of its patch,
-    a branch torch traces once; the graph fails at odd sides, the tests never varied them, so they
-    stay static, the note naming the node's line; the batch still varies."""
+    a branch torch traces once; the graph raises at odd sides (its reshape), the tests never varied
+    them: they are kept in multiples of 2, the note naming the node's line, and the ONNX serves
+    even sides the tests never used, raising (never wrong) at odd ones."""
     model = PatchMixer().eval()
     group = observed(model, (torch.randn(2, 3, 8, 8),), (torch.randn(3, 3, 8, 8),))
     result = check_model(group, settings(tmp_path))
     assert (result.verdict, result.stage) == ("passed", "variations"), result.reason
-    assert result.dims == {"pixel_values": {"0": "batch"}}
-    kept = [n for n in result.notes if "kept static" in n]
+    assert result.dims == {"pixel_values": {"0": "batch", "2": "height", "3": "width"}}
+    stepped = [n for n in result.notes if " in multiples of 2: the graph fails at " in n]
     reshape = line_of("patches = x.reshape(batch, channels, new_h // p, p, new_w // p, p)")
-    assert kept and all(n.endswith(f"(in {reshape}), where eager runs") for n in kept), kept
-    assert {n.split(" kept static")[0] for n in kept} in ({"height", "width"}, {"width", "height"}, {"height, width"})
-    unseen = torch.randn(4, 3, 8, 8)
+    assert stepped and all(n.endswith(f"(in {reshape}), where eager runs; the tests never varied them")
+                           for n in stepped), stepped
+    assert {n.split(" in multiples")[0] for n in stepped} == {"height", "width"}
+    unseen = torch.randn(4, 3, 10, 12)
     with torch.no_grad():
         torch.testing.assert_close(run_onnx(result.onnx_path, unseen), model(unseen), rtol=1e-4, atol=1e-5)
+    with pytest.raises(Exception, match="cannot be reshaped"):
+        run_onnx(result.onnx_path, torch.randn(2, 3, 9, 8))
 
 
 @pytest.mark.slow
-def test_a_rerun_keeps_the_guessed_sides_static_without_varying_them_again(tmp_path: Path) -> None:
-    """The exploration that failed on the guessed sides is kept with the trace: a rerun takes
-    the same decision from it (the same notes, the same dims) without running the model again."""
+def test_a_rerun_keeps_the_guessed_sides_in_steps_without_varying_them_again(tmp_path: Path) -> None:
+    """The explorations that failed on the guessed sides and passed in steps are kept with the
+    trace: a rerun takes the same decisions from them (the same notes, the same dims) without
+    running the model again."""
     group = observed(PatchMixer().eval(), (torch.randn(2, 3, 8, 8),), (torch.randn(3, 3, 8, 8),))
     cached = CheckSettings(export_dir=tmp_path, examples=10, hypothesis_seed=0)
     first, rerun = check_model(group, cached), check_model(group, cached)
-    assert [(r.verdict, r.dims) for r in (first, rerun)] == [("passed", {"pixel_values": {"0": "batch"}})] * 2
-    kept = [n for n in first.notes if "kept static" in n]
-    assert kept and [n for n in rerun.notes if "kept static" in n] == kept
+    dims = {"pixel_values": {"0": "batch", "2": "height", "3": "width"}}
+    assert [(r.verdict, r.dims) for r in (first, rerun)] == [("passed", dims)] * 2
+    stepped = [n for n in first.notes if " in multiples of 2: " in n]
+    assert stepped and [n for n in rerun.notes if " in multiples of 2: " in n] == stepped
     assert "variations" in first.graphs[0].timings and "variations" not in rerun.graphs[0].timings
     assert "variations: as explored on an earlier run of this trace (failing on sizes of dims the tests never " \
            "varied), not again (the export cache holds the outcome)" in rerun.notes
@@ -190,3 +196,27 @@ def test_an_image_model_keeps_dynamic_sides_it_serves(tmp_path: Path, guessed: b
     result = check_model(observed(ConvNet().eval(), *calls, name="images"), settings(tmp_path))
     assert result.verdict == "passed", result.reason
     assert result.dims == {"images": {"0": "batch", "2": "height", "3": "width"}}
+
+
+class WidePatchMixer(PatchMixer):
+    """MobileViT's unfold with patches of 4: traced at 8, its graph raises at 9 and at 10."""
+
+    patch = 4
+
+
+@pytest.mark.slow
+def test_guessed_sides_the_graph_serves_in_no_step_are_kept_static_with_the_failing_line(tmp_path: Path) -> None:
+    """Steps of 2 do not help (the graph raises at 10), and 16 does not divide the traced 8: the
+    sides stay static, named as the axes they are, the note naming the node's line."""
+    model = WidePatchMixer().eval()
+    group = observed(model, (torch.randn(2, 3, 8, 8),), (torch.randn(3, 3, 8, 8),))
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.stage) == ("passed", "variations"), result.reason
+    assert result.dims == {"pixel_values": {"0": "batch"}}
+    kept = [n for n in result.notes if "kept static" in n]
+    reshape = line_of("patches = x.reshape(batch, channels, new_h // p, p, new_w // p, p)")
+    assert kept and all(n.endswith(f"(in {reshape}), where eager runs") for n in kept), kept
+    assert {side for n in kept for side in n.split(" kept static")[0].split(", ")} == {"height", "width"}
+    unseen = torch.randn(4, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(run_onnx(result.onnx_path, unseen), model(unseen), rtol=1e-4, atol=1e-5)
