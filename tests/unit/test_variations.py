@@ -44,12 +44,13 @@ class Decoder(torch.nn.Module):
         return torch.cat([past, x], dim=1) * 2
 
 
-def observe(module: torch.nn.Module, *calls: tuple, dim_names: dict[str, str] | None = None) -> ShapeModel:
+def observe(module: torch.nn.Module, *calls: tuple, dim_names: dict[str, str] | None = None,
+            policy: DimPolicy | None = None) -> ShapeModel:
     observer = InputObserver()
     with observer(module), torch.no_grad():
         for args in calls:
             module(*args)
-    return ShapeModel.from_aligned(observer.aligned(), None, dim_names)
+    return ShapeModel.from_aligned(observer.aligned(), None, dim_names, *([policy] if policy else []))
 
 
 def eager_of(module: torch.nn.Module) -> Callable[[Leaves], list[torch.Tensor]]:
@@ -279,6 +280,20 @@ def test_a_batch_of_large_images_is_capped_one_past_the_traced_batch():
     assert size_ranges(large) == {"input_dim0": (1, 3)}
     small = observe(identity, (torch.randn(1, 3, 64, 64),), (torch.randn(2, 3, 64, 64),))
     assert size_ranges(small) == {"input_dim0": (1, 8)}
+
+
+def test_images_grow_at_most_eightfold_over_the_traced_example_and_text_as_before():
+    """Latents of 2x4x32x32 (batch, height and width dynamic, a diffusion model's): the batch to 8
+    and the sides to 48 would be 18 times the traced example; the highs are lowered until it is
+    at most 8 times. Token ids of a text model keep twice their sizes."""
+    latents = observe(torch.nn.Identity(), (torch.randn(2, 4, 32, 32),), policy=DimPolicy(roles=True))
+    ranges = size_ranges(latents)
+    traced = export_sizes(latents)
+    assert {v.role for v in latents.variables} == {AxisRole.BATCH, AxisRole.HEIGHT, AxisRole.WIDTH}
+    assert math.prod(ranges[name][1] / traced[name] for name in ranges) <= 8
+    assert all(ranges[name][1] > traced[name] for name in ranges)  # every size still grows
+    text = observe(torch.nn.Identity(), (torch.randint(0, 9, (2, 7)),), (torch.randint(0, 9, (3, 5)),))
+    assert size_ranges(text) == {"input_dim0": (2, 8), "input_dim1": (2, 14)}
 
 
 def test_position_ids_of_decode_steps_stay_arange_like(tmp_path):

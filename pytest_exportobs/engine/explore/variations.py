@@ -62,6 +62,11 @@ if TYPE_CHECKING:
     import hypothesis
 
 MAX_ELEMENTS = 1 << 19  # elements of the largest generated input (a batch of 3 images of 3x224x224)
+# how much larger than the traced example the largest generated one of a model taking images or
+# signals may be, as the product of each free size's ratio to its traced size: attention over an
+# image's patches grows with the square of its sides and with the batch (a diffusion transformer
+# at 4x the batch, 2x the text and 1.5x each side took 3 GB)
+MAX_GROWTH = 8
 MAX_SIZE = 512  # largest size drawn for any variable
 SMALL_CEILING = 8  # variables observed small may still grow to this size
 DATABASE_PREFIX = b"pytest-exportobs.variations."
@@ -112,7 +117,9 @@ def size_ranges(
     """``(low, high)`` of every free variable: from 2 (or the observed minimum when smaller) up
     to twice the observed maximum (at least 8; an image's side or a signal's length to half again
     its maximum; at most 512), highs lowered until the largest
-    input at the highs has at most ``max_elements`` elements, but not below one size past the
+    input at the highs has at most ``max_elements`` elements and, for a model taking images or
+    signals, the highs together are at most :data:`MAX_GROWTH` times the traced sizes, but not
+    below one size past the
     one the graph was traced at (a size the tests never used stays within reach); a sliding
     window's term reaches past the window's limit when that is within 512.  With
     ``recorded_only`` the sizes of empty stand-ins (a cache absent at prefill) do not count as
@@ -126,14 +133,28 @@ def size_ranges(
             ranges[window.term] = (low, max(high, min(window.limit + 2, MAX_SIZE)))
     traced = export_sizes(shapes)
     floors = {name: min(high, max(low, traced.get(name, low) + 1)) for name, (low, high) in ranges.items()}
+    def growth(name: str) -> float:
+        return ranges[name][1] / max(1, traced.get(name, 1))
+
     while _largest_input(shapes, {n: high for n, (_, high) in ranges.items()}) > max_elements:
-        shrinkable = [n for n, (_, high) in ranges.items() if high > floors[n]]
-        if not shrinkable:
+        if not _shrunk(ranges, floors, key=lambda n: ranges[n][1]):
             break
-        name = max(shrinkable, key=lambda n: ranges[n][1])
-        low, high = ranges[name]
-        ranges[name] = (low, max(floors[name], min(high - 1, high * 3 // 4)))
+    while spatial and math.prod(growth(n) for n in ranges) > MAX_GROWTH:
+        if not _shrunk(ranges, floors, key=growth):
+            break
     return ranges
+
+
+def _shrunk(ranges: dict[str, tuple[int, int]], floors: dict[str, int], key: Callable[[str], float]) -> bool:
+    """Lower the high of the range that ``key`` finds largest by a quarter (not below its floor);
+    ``False`` when every high is at its floor."""
+    shrinkable = [n for n, (_, high) in ranges.items() if high > floors[n]]
+    if not shrinkable:
+        return False
+    name = max(shrinkable, key=key)
+    low, high = ranges[name]
+    ranges[name] = (low, max(floors[name], min(high - 1, high * 3 // 4)))
+    return True
 
 
 def explore(
