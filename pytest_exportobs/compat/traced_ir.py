@@ -256,7 +256,8 @@ def _functionalize(node: torch.fx.Node, before: set[torch.fx.Node]) -> bool:
         return False
     if not all(user in before and not _view(user.target) for user in target.users if user is not node):
         return False
-    dtypes: set[Any] = {getattr(_fake(arg), "dtype", None) for arg in node.all_input_nodes}
+    # the tensors it reads (a size it takes from a symbol, as_strided_'s on a pooled mean, has no dtype)
+    dtypes: set[Any] = {_fake(arg).dtype for arg in node.all_input_nodes if isinstance(_fake(arg), torch.Tensor)}
     written_dtype = getattr(_fake(target), "dtype", None)
     dtypes -= {torch.bool} - {written_dtype}
     if len(dtypes) != 1 or None in dtypes or not _keeps_dtype(node.args[1:], dtypes.pop()):

@@ -271,6 +271,35 @@ def test_in_place_writes_with_a_boolean_mask_are_made_functional_and_the_graph_s
     np.testing.assert_allclose(got, model(scores, keep).numpy(), atol=1e-6)
 
 
+class PooledTokens(torch.nn.Module):
+    """Swin's pooler: an adaptive average pool over the tokens, whose decomposition alone restrides
+    the mean in place (``as_strided_`` with the batch's symbolic size among its sizes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.pool = torch.nn.Linear(8, 8), torch.nn.AdaptiveAvgPool1d(1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.proj(tokens).transpose(1, 2)).flatten(1)
+
+
+def test_a_restriding_with_a_symbolic_size_is_made_functional_and_the_graph_serves_unseen_sizes() -> None:
+    torch.manual_seed(0)
+    model = PooledTokens().eval()
+    import_export_machinery()
+    dims = torch.export.Dim("batch"), torch.export.Dim("tokens")
+    with size_oblivious():
+        program = torch.export.export(model, (torch.randn(3, 5, 8),), dynamic_shapes=({0: dims[0], 1: dims[1]},))
+
+    taken = as_translatable(program, translated_ops(), onnx_decompositions())
+
+    assert taken is not None and "aten.as_strided_.default" not in _targets(taken)
+    tokens = torch.randn(4, 9, 8)
+    (got,) = _onnx_outputs(program, tokens)
+    with torch.no_grad():
+        np.testing.assert_allclose(got, model(tokens).numpy(), atol=1e-6)
+
+
 class SliceWritten(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x * 2
