@@ -14,9 +14,10 @@ def pytest_configure(config: pytest.Config) -> None:
     process, before any test: pytester's fixture removes from ``sys.modules`` what its test
     imported, and a translation registry built from those modules would then mix two copies of
     them ("cannot translate aten.sym_size.int")."""
+    from pytest_exportobs.core.vocabulary import Target
     from pytest_exportobs.engine.export.pipeline import prepare
 
-    prepare("onnx")
+    prepare((Target.ONNX,))
 
 
 SESSION_TIMEOUT = 600

@@ -27,10 +27,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .traced_ir import as_translatable, promote_types
 
 __all__ = [
-    "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node",
+    "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node", "drop_runtime_asserts",
+    "flat_call_spec",
     "import_export_machinery", "onnx_registry", "prepare_for_onnx", "register_translations",
     "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "sympy_functions", "taken_as_traced",
-    "to_onnx_program", "translated_ops", "unchecked_module",
+    "to_onnx_program", "translated_ops", "unchecked_module", "upper_bounded",
 ]
 
 # torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
@@ -70,6 +71,28 @@ def unchecked_module(program: torch.export.ExportedProgram) -> torch.fx.GraphMod
             graph_module.graph.erase_node(node)
     graph_module.recompile()
     return graph_module
+
+
+def drop_runtime_asserts(program: torch.export.ExportedProgram) -> None:
+    """Remove the program's runtime asserts on sizes, and the symbolic computations only they
+    used, in place.  ExecuTorch removes them too, after a verifier that rejects ``torch.sym_not``
+    among their conditions (the asserts torch.onnx.export's capture defers instead of guarding)."""
+    graph = program.graph
+    pending = [node for node in graph.nodes if node.op == "call_function" and node.target in _ASSERTS]
+    while pending:
+        node = pending.pop()
+        if node.users or node.op != "call_function":
+            continue
+        inputs = [arg for arg in node.all_input_nodes if _symbolic(arg)]
+        graph.erase_node(node)
+        pending.extend(inputs)
+    program.graph_module.recompile()
+
+
+def _symbolic(node: torch.fx.Node) -> bool:
+    """Whether ``node`` computes a size or a condition on sizes (no tensor)."""
+    value = node.meta.get("val")
+    return node.op == "call_function" and isinstance(value, (torch.SymInt, torch.SymBool, torch.SymFloat, int, bool))
 
 
 def import_export_machinery() -> None:
@@ -270,3 +293,69 @@ def rnn_while_loops() -> Iterator[None]:
         finally:
             for op in ops:
                 op._dispatch_cache.clear()
+
+
+@contextlib.contextmanager
+def upper_bounded(program: torch.export.ExportedProgram, maxima: Mapping[str, int]) -> Iterator[None]:
+    """The program's symbolic sizes named in ``maxima`` (by their symbols' text, ``s23``) bounded
+    above, in its range constraints and in the shape environment its fake values hold, as an
+    export with ``Dim(..., max=...)`` would have them (ExecuTorch plans memory from these
+    bounds), torch's own tighter bounds kept, and below by 2 as sizes traced size-obliviously
+    are (a retrace then does not assert ``s != 1``, which ExecuTorch's verifier rejects); the
+    runtime asserts the environment defers (the capture torch.onnx.export makes defers guards
+    as asserts) not inserted again by a retrace.  Every range and assert is restored on exit."""
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    environments = list({id(env): env for env in _shape_environments(program)}.values())
+    saved = (dict(program.range_constraints), [(dict(env.var_to_range), dict(env.deferred_runtime_asserts))
+                                               for env in environments])
+    try:
+        for env in environments:
+            env.deferred_runtime_asserts.clear()
+        for symbol, known in list(program.range_constraints.items()):
+            if str(symbol) in maxima:
+                upper = max(known.lower, min(known.upper, maxima[str(symbol)]))
+                bounded = ValueRanges(max(known.lower, min(2, upper)), upper)
+                program.range_constraints[symbol] = bounded
+                for env in environments:
+                    if symbol in env.var_to_range:
+                        env.var_to_range[symbol] = bounded
+        yield
+    finally:
+        program.range_constraints.clear()
+        program.range_constraints.update(saved[0])
+        for env, (ranges, asserts) in zip(environments, saved[1]):
+            env.var_to_range.clear()
+            env.var_to_range.update(ranges)
+            env.deferred_runtime_asserts.clear()
+            env.deferred_runtime_asserts.update(asserts)
+
+
+@contextlib.contextmanager
+def flat_call_spec(program: torch.export.ExportedProgram) -> Iterator[None]:
+    """The program's inputs and outputs taken as flat tuples of their leaves (its example inputs
+    dropped) while in the context, restored on exit: for ExecuTorch's emitter, which rebuilds the
+    containers from placeholder leaves that the unflatten of a cache class (tensors expected)
+    rejects.  A retrace binds the inputs to the module's signature: not within the context."""
+    signature = program._module_call_graph[0].signature
+    assert signature is not None
+    saved = signature.in_spec, signature.out_spec, program.example_inputs
+    signature.in_spec = pytree.tree_structure((tuple(range(saved[0].num_leaves)), {}))
+    signature.out_spec = pytree.tree_structure(tuple(range(saved[1].num_leaves)))
+    program._example_inputs = None
+    try:
+        yield
+    finally:
+        signature.in_spec, signature.out_spec, program._example_inputs = saved
+
+
+def _shape_environments(program: torch.export.ExportedProgram) -> list[Any]:
+    """The shape environments of the fake values of the program's inputs (one, as traced)."""
+    found: list[Any] = []
+    for node in program.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            for size in value.shape:
+                if isinstance(size, torch.SymInt):
+                    found.append(size.node.shape_env)
+    return found

@@ -76,13 +76,21 @@ def contract(module: Any) -> str:
 def declared_maximum(module: Any, size: int) -> str:
     """``max_position_embeddings = 128``: the entry of the model's configuration (its text
     configuration's included) that declares ``size`` the longest sequence it takes; ``""`` if none."""
+    return next((f"{key} = {size}" for key, value in _maxima(module) if value == size), "")
+
+
+def declared_limit(module: Any) -> tuple[str, int] | None:
+    """The first entry of the model's configuration (its text configuration's included) declaring
+    the longest sequence it takes, ``("max_position_embeddings", 512)``; ``None`` if none."""
+    return next(iter(_maxima(module)), None)
+
+
+def _maxima(module: Any) -> list[tuple[str, int]]:
+    """The :data:`MAXIMUM_KEYS` entries of the model's configurations that are positive integers."""
     config = getattr(module, "config", None)
     configs = [config, getattr(config, "text_config", None), getattr(config, "decoder", None)]
-    for found in filter(None, configs):
-        for key in MAXIMUM_KEYS:
-            if _entry(found, key) == size:
-                return f"{key} = {size}"
-    return ""
+    return [(key, value) for found in filter(None, configs) for key in MAXIMUM_KEYS
+            if isinstance(value := _entry(found, key), int) and not isinstance(value, bool) and value > 0]
 
 
 def computation(module: Any, constants: bool = False) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from importlib.metadata import PackageNotFoundError, version
 
-PACKAGES = ("torch", "onnx", "onnxscript", "onnxruntime", "transformers", "pytest-exportobs")
+PACKAGES = ("torch", "onnx", "onnxscript", "onnxruntime", "executorch", "transformers", "pytest-exportobs")
 
 
 @functools.cache

@@ -48,6 +48,8 @@ class Stage(StrEnum):
     ONNX_TRANSLATE = "onnx-translate"
     ONNX_CHECKER = "onnx-checker"
     ORT_LOAD = "ort-load"
+    LOWER = "lower"  # ExecuTorch: the edge dialect, the XNNPACK delegate, the .pte file
+    RUN = "run"  # ExecuTorch's runtime loading the .pte and running the recorded calls
     VERIFY = "verify"
     VARIATIONS = "variations"
     ISOLATE = "isolate"
@@ -97,11 +99,13 @@ class GateOutcome(StrEnum):
 
 
 class Target(StrEnum):
-    """Where a check goes (``--export-target``): to ONNX run by onnxruntime, or only through
-    torch.export, the exported program checked against eager."""
+    """Where a check goes (``--export-target``, several at once): to ONNX run by onnxruntime, to
+    an ExecuTorch program run by ExecuTorch's runtime (on-device), or only through torch.export,
+    the exported program checked against eager (a quick stand-in for ONNX)."""
 
     ONNX = "onnx"
     TORCH = "torch"
+    EXECUTORCH = "executorch"  # last: the program traced for the others is lowered for it
 
 
 class Runtime(StrEnum):
@@ -112,6 +116,7 @@ class Runtime(StrEnum):
     WIDENED = "onnxruntime-float32"
     REFERENCE = "onnx-reference"  # onnx's ReferenceEvaluator: a graph onnxruntime cannot load even so
     PROGRAM = "torch-program"  # the exported program itself (--export-target torch)
+    EXECUTORCH = "executorch"  # ExecuTorch's runtime on the .pte, its XNNPACK delegate on what it took
 
 
 class DimSource(StrEnum):

@@ -14,6 +14,7 @@ import traceback
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -24,7 +25,7 @@ from ..core.paths import model_directory
 from ..core.text import error_line
 from ..core.trees import flattening_context, on_meta_device
 from ..core.versions import package_versions
-from ..core.vocabulary import Kind, Stage, Verdict
+from ..core.vocabulary import Kind, Stage, Target, Verdict
 from ..observe.binding import UnsupportedInput
 from ..observe.store import ModelGroup
 from ..observe.structures import structure_difference
@@ -34,6 +35,7 @@ from .base.environment import EnvironmentProblem
 from .base.result import GraphResult, ModelResult
 from .base.settings import CheckSettings
 from .context import ModelContext
+from .export.pipeline import Traced
 from .export.tracing_patches import TracingPatches
 from .graph import GraphCheck
 from .planning import MAX_GRAPHS, GraphPlan, by_choice, can_serve, plan_graphs, split_off
@@ -48,23 +50,52 @@ T = TypeVar("T")
 def check_model(
     group: ModelGroup, settings: CheckSettings, progress: Progress = lambda stage, graph: None
 ) -> ModelResult:
-    """Check one group; never raises.  A failure of a stage is the model's; an exception the
-    engine did not expect is stage ``engine``, kind ``internal``: a bug of the plugin."""
-    result = _new_result(group)
-    if _settled(group, result):
-        return result
+    """Check one group for each of ``settings.targets``, in turn, from the same calls and
+    references, each target after the first taking the programs traced for the first; never
+    raises.  The result is the first target's, the others' in its ``other_targets``.  A failure
+    of a stage is the model's; an exception the engine did not expect is stage ``engine``, kind
+    ``internal``: a bug of the plugin."""
+    results = [_new_result(group, target) for target in settings.targets]
+    first = results[0]
+    if _settled(group, first):
+        return first  # every target's, alike (see ModelResult.per_target)
     found, notes = sides(group)
-    result.model_notes.extend(notes)
     if not found:
-        result.verdict, result.stage = Verdict.SKIPPED, Stage.OBSERVE
-        result.reason = ("the model's parameters changed shape after its calls (resize_token_embeddings, an adapter "
-                         "added) and no call fits the weights at hand: nothing to check")
-        return result
+        first.model_notes.extend(notes)
+        first.verdict, first.stage = Verdict.SKIPPED, Stage.OBSERVE
+        first.reason = ("the model's parameters changed shape after its calls (resize_token_embeddings, an adapter "
+                        "added) and no call fits the weights at hand: nothing to check")
+        return first
+    shared = _Shared()
+    for result in results:
+        result.model_notes.extend(notes)
+        shown = progress if result is first else _labelled(progress, str(result.target))
+        _check_sides(found, settings, result, shown, shared)
+    first.other_targets = results[1:]
+    return first
+
+
+@dataclass
+class _Shared:
+    """What the check of one target hands the next: the references of each side's calls (by
+    the side's group) and the programs traced, by trace key."""
+
+    references: dict[int, Any] = field(default_factory=dict)
+    traces: dict[str, Traced] = field(default_factory=dict)
+
+
+def _labelled(progress: Progress, label: str) -> Progress:
+    return lambda stage, graph: progress(stage, ", ".join(filter(None, [label, graph])))
+
+
+def _check_sides(found: list[Any], settings: CheckSettings, result: ModelResult, progress: Progress,
+                 shared: _Shared) -> None:
+    """Check each side of the model (see :func:`~.verify.resized.sides`) for ``result.target``."""
     try:
         graphs: list[GraphResult] = []
         unverified: list[str] = []
         for side in found:
-            side_graphs, left_over = _ModelCheck(side.group, settings, result, progress, len(graphs)).run()
+            side_graphs, left_over = _ModelCheck(side.group, settings, result, progress, shared, len(graphs)).run()
             for graph in side_graphs:
                 graph.renumber(side.calls)
                 graph.name = ", ".join(filter(None, [side.label, graph.name]))
@@ -81,7 +112,6 @@ def check_model(
         result.verdict, result.stage, result.kind = Verdict.FAILED, Stage.ENGINE, Kind.INTERNAL
         result.reason = f"internal error of pytest-exportobs, not of the model (please report it): {error_line(e)}"
         result.traceback = "".join(traceback.format_exception(e))
-    return result
 
 
 class ModelProblem(Exception):
@@ -99,10 +129,10 @@ def settled(group: ModelGroup) -> ModelResult | None:
     return result if _settled(group, result) else None
 
 
-def _new_result(group: ModelGroup) -> ModelResult:
+def _new_result(group: ModelGroup, target: Target = Target.ONNX) -> ModelResult:
     recorder = group.recorder
     return ModelResult(
-        name=group.name, verdict=Verdict.FAILED, stage=Stage.INFER, sources=list(group.sources),
+        name=group.name, target=target, verdict=Verdict.FAILED, stage=Stage.INFER, sources=list(group.sources),
         model_class=group.model_class, n_observations=recorder.num_obs(),
         expected_failure=_xfail_reason(group.options.xfail),
         n_calls=sum(vars(recorder.counts).values()), env=dict(package_versions()),
@@ -141,8 +171,9 @@ class _ModelCheck:
     """The check of one model, filling ``result``."""
 
     def __init__(self, group: ModelGroup, settings: CheckSettings, result: ModelResult, progress: Progress,
-                 first_graph: int = 0):
+                 shared: _Shared, first_graph: int = 0):
         self.group, self.settings, self.result, self.progress = group, settings, result, progress
+        self.shared = shared
         self.first_graph = first_graph  # the number of this check's first graph among the model's
         self.options = group.options
         self.patches = TracingPatches()
@@ -214,10 +245,13 @@ class _ModelCheck:
         return joint
 
     def _references(self, observations: list[Any]) -> Any:
-        try:
-            found = self._quiet(lambda: references(self.group, observations))
-        except ReferenceFailed as e:  # the model's own call raised
-            raise ModelProblem(Stage.VERIFY, Kind.UNVERIFIED, str(e)) from e
+        found = self.shared.references.get(id(self.group))
+        if found is None:
+            try:
+                found = self._quiet(lambda: references(self.group, observations))
+            except ReferenceFailed as e:  # the model's own call raised
+                raise ModelProblem(Stage.VERIFY, Kind.UNVERIFIED, str(e)) from e
+            self.shared.references[id(self.group)] = found
         self.result.reference = found.origin
         if not any(isinstance(t, torch.Tensor) for outputs in found.outputs for t in outputs):
             raise ModelProblem(
@@ -232,7 +266,8 @@ class _ModelCheck:
         tolerance = Tolerance(_first(options.atol, settings.atol), _first(options.rtol, settings.rtol))
         self.result.atol, self.result.rtol = tolerance.atol, tolerance.rtol
         return ModelContext(
-            group=self.group, settings=self.settings, tolerance=tolerance,
+            group=self.group, settings=self.settings, target=Target(self.result.target), traces=self.shared.traces,
+            tolerance=tolerance,
             examples=_first(self.options.examples, self.settings.examples),
             patches=self.patches,
             model_dir=model_directory(self.settings.export_dir, self.group.name),

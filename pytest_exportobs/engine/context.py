@@ -10,12 +10,13 @@ from typing import Any, TypeVar
 import torch
 
 from ..core.trees import flat_outputs
-from ..core.vocabulary import Stage
+from ..core.vocabulary import Stage, Target
 from ..observe.recorder import Observation
 from ..observe.store import ModelGroup
 from ..shapes.model import ShapeModel
 from .base.eager import call_model
 from .base.settings import CheckSettings
+from .export.pipeline import Traced
 from .export.tracing_patches import TracingPatches
 from .verify.arbiter import Float64Copy, Float64Model
 from .verify.compare import Tolerance
@@ -31,6 +32,8 @@ class ModelContext:
 
     group: ModelGroup
     settings: CheckSettings
+    target: Target
+    traces: dict[str, Traced]  # the programs traced for the model's targets, by trace key
     tolerance: Tolerance
     examples: int
     patches: TracingPatches

@@ -17,9 +17,14 @@ from .base.result import GraphResult
 from .context import ModelContext
 from .explore.localize import localize_call
 from .export.capturing import traced_program
+from .export.lowering import Delegation, UpperBound, lower, symbol_maxima
 from .export.tracing import Capture
 from .repro import write_repro
-from .verify.compare import OutputLayout
+from .verify.compare import Discrepancy, OutputLayout, compare
+from .verify.pte_runner import PteRunner
+
+# a model checked for several targets keeps one repro per target
+_REPRO_DIRECTORIES = {Target.ONNX: "repro", Target.TORCH: "repro", Target.EXECUTORCH: "repro-executorch"}
 
 
 @dataclass
@@ -46,8 +51,43 @@ class Diagnosis:
             self.result.reason += (f": the export patch {patch} changes what the model computes here (eager under "
                                    "it differs from eager as the tests ran it), and the graph, traced under it, "
                                    "follows the patched model")
+        elif values and context.target == Target.EXECUTORCH:
+            self._undelegated(shapes, program, leaves, layout.in_graph_order(expected))
         elif values:
             self._localize(shapes, program, leaves, layout.in_graph_order(expected))
+
+    def _undelegated(self, shapes: ShapeModel, program: torch.export.ExportedProgram | None, leaves: list[Any],
+                     expected: Sequence[Any]) -> None:
+        """Whether a mismatch of the ``.pte`` on ``leaves`` is the XNNPACK delegate's: the same
+        program lowered without it (every op on ExecuTorch's portable kernels) is run on the call
+        and compared with ``expected``; one sentence added to the reason.  Never the verdict."""
+        context, result = self.context, self.result
+        begin = time.perf_counter()
+
+        def portable() -> Discrepancy:
+            traced = program if program is not None else traced_program(
+                context.module, shapes, context.method, context.patches, self.capture)
+            bounds = {name: UpperBound(bound["max"], bound["from"]) for name, bound in result.upper_bounds.items()}
+            inputs = [shapes.aligned.leaf_names.index(name) for name in result.inputs]
+            path = self.directory / "portable.pte"
+            lowered = lower(traced, symbol_maxima(traced, shapes, inputs, bounds), path, delegate=False)
+            return compare(PteRunner(path, mutated_inputs=lowered.mutated_inputs)(leaves), expected, context.tolerance)
+
+        try:
+            found = context.quiet(portable)
+        except Exception as e:  # a diagnosis never hides the verdict
+            result.notes.append(f"not lowered again without the delegate: {type(e).__name__}: {e}")
+            return
+        finally:
+            result.timings["undelegated"] = time.perf_counter() - begin
+        taken = Delegation.from_json(result.delegation).taken_text() if result.delegation else ""
+        if found.ok:
+            result.reason += (f"; without the XNNPACK delegate (ExecuTorch's portable kernels) the same program is "
+                              f"within tolerance (max |Δ| {found.max_abs:.3g}): the delegate computes differently "
+                              f"here{f' (it took {taken})' if taken else ''}")
+        else:
+            result.reason += (f"; without the XNNPACK delegate the program is off too (max |Δ| {found.max_abs:.3g}): "
+                              "not the delegate's")
 
     def _localize(self, shapes: ShapeModel, program: torch.export.ExportedProgram | None, leaves: list[Any],
                   expected: Sequence[Any]) -> None:
@@ -56,7 +96,7 @@ class Diagnosis:
         :mod:`.explore.localize`; a graph from the export cache is traced again for it): one line
         added to the reason, the nodes kept for the reports.  Never the verdict."""
         context, result = self.context, self.result
-        if context.settings.target != Target.ONNX or not result.onnx_path:
+        if context.target != Target.ONNX or not result.onnx_path:
             return
         begin = time.perf_counter()
 
@@ -77,9 +117,10 @@ class Diagnosis:
             leaves = shapes.call_leaves(shapes.aligned.complete_call())
         try:
             repro = write_repro(
-                self.directory / "repro", context.module, shapes, leaves, stage=result.stage,
-                target=context.settings.target, method=context.method,
+                self.directory / _REPRO_DIRECTORIES[context.target], context.module, shapes, leaves,
+                stage=result.stage, target=context.target, method=context.method,
                 atol=context.tolerance.atol, rtol=context.tolerance.rtol, capture=self.capture,
+                upper_bounds={name: bound["max"] for name, bound in result.upper_bounds.items()},
             )
         except Exception as e:  # a repro is a convenience: never let it hide the verdict
             result.notes.append(f"no repro written: {type(e).__name__}: {e}")

@@ -10,13 +10,12 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..core.text import error_line
 from ..core.trees import detached_clone
 from ..core.vocabulary import Kind, Runtime, Stage, Target, Verdict
 from ..observe.binding import value_text
@@ -29,21 +28,17 @@ from .diagnosis import Diagnosis
 from .explore.variations import VariationOutcome, explore
 from .export.cache import ExportCache
 from .export.domain import conditions, satisfied
+from .export.lowering import Delegation, UpperBound, bounds_note
 from .export.outcome import ExportOutcome
 from .export.pipeline import export_model
 from .export.probe import SizeProbe, probed_unvaried_dims
+from .graph_runtime import GraphEnded, GraphRunner, open_runner
 from .guesses import Refine, kept_static, moved_guesses, stepped
 from .planning import GraphPlan, choice
 from .verify.compare import OutputLayout, float64_note, padded_note, verify_calls
 from .verify.references import Reproduction, refreshed, reproduction
-from .verify.runtimes import Unrunnable, onnx_runner, program_runner
 
-GraphRunner = Callable[[Sequence[Any]], Sequence[Any]]  # runs the exported graph on flat leaves
-
-
-class GraphEnded(Exception):
-    """Raised by the stage that ends a graph's check, once it has set the result's stage, kind and
-    reason (and its verdict when the graph is skipped rather than failed)."""
+_FILES = {Target.ONNX: "model.onnx", Target.EXECUTORCH: "model.pte", Target.TORCH: "model.pt2"}
 
 
 class GraphCheck:
@@ -57,6 +52,7 @@ class GraphCheck:
         self.split: list[int] = []  # model call indices to move to a graph of their own
         self.asserted: list[Any] = []  # conditions on sizes the program asserts, the ONNX file does not check
         self.program: torch.export.ExportedProgram | None = None  # as traced (None: from the export cache)
+        self.upper_bounds: dict[str, UpperBound] = {}  # of the variables, where the target plans memory for them
         self.diagnosis = Diagnosis(context, self.result, directory)
         # a choice of structure torch restricts (see planning.by_choice): the plan is planned again by it
         self.choice, self.why = "", ""
@@ -79,7 +75,8 @@ class GraphCheck:
         while True:
             outcome = self._export()
             self.program = outcome.program
-            self.runner = self._runner(outcome)
+            self.runner = open_runner(self.context, self.result, outcome, self.shapes, self.plan.calls,
+                                      self.upper_bounds, lambda: self.diagnosis.repro(self.shapes))
             self.layout = OutputLayout.of(outcome.outputs, self.shapes.aligned.leaf_names, outcome.output_order)
             self._verify(self.runner)
             if not context.examples:
@@ -126,8 +123,8 @@ class GraphCheck:
         cache = self._cache()
         probe = SizeProbe(self.shapes, context.eager(self.shapes, flat=False))
         outcome = context.quiet(lambda: export_model(
-            context.module, self.shapes, context.settings.target, self.directory / "model.onnx", cache,
-            method=context.method, probe=probe, patches=context.patches,
+            context.module, self.shapes, context.target, self.directory / _FILES[context.target], cache,
+            method=context.method, probe=probe, patches=context.patches, traces=context.traces,
         ))
         for stage, seconds in outcome.timings.items():  # summed over the exports of this graph
             result.timings[stage] = result.timings.get(stage, 0.0) + seconds
@@ -150,42 +147,12 @@ class GraphCheck:
             result.kind, result.reason, result.traceback = outcome.kind, outcome.reason, outcome.traceback
             self.diagnosis.repro(self.shapes)
             raise GraphEnded
+        self.upper_bounds = outcome.upper_bounds
+        result.upper_bounds = {name: bound.to_json() for name, bound in outcome.upper_bounds.items()}
+        lowering = [bounds_note(outcome.upper_bounds), Delegation.from_json(outcome.delegation).note()] \
+            if context.target == Target.EXECUTORCH else []
+        result.notes.extend(note for note in lowering if note and note not in result.notes)
         return outcome
-
-    def _runner(self, outcome: ExportOutcome) -> GraphRunner:
-        """What runs the graph: onnxruntime, else onnx's reference evaluator (see
-        :func:`~.verify.runtimes.onnx_runner`).  The check ends when nothing here can (the graph is then
-        skipped, kind ``runtime``: the export itself is fine), when onnxruntime crashed natively on
-        it (probed in a process of its own: stage ``isolate``, kind ``crash``) or cannot load it."""
-        result, target = self.result, self.context.settings.target
-        result.stage = Stage.ORT_LOAD if target == Target.ONNX else Stage.VERIFY
-        begin = time.perf_counter()
-        try:
-            if target == Target.ONNX:
-                path, dtype = Path(outcome.onnx_path), _float_dtype(self.context.module)
-                runner: GraphRunner = self.context.quiet(lambda: onnx_runner(path, dtype, result.notes))
-                result.runtime = runner.runtime  # type: ignore[attr-defined]  # an OnnxRunner or a ReferenceRunner
-            else:
-                runner = program_runner(outcome.program, self.shapes.aligned, constants=not outcome.bound)
-                result.runtime = Runtime.PROGRAM
-        except Unrunnable as gap:
-            if gap.crash:
-                self.diagnosis.repro(self.shapes)  # of stage ort-load
-                result.stage, result.kind = Stage.ISOLATE, Kind.CRASH
-                result.reason = f"{gap}: the session and the other models are intact; report it to onnxruntime"
-            else:
-                result.verdict, result.kind = Verdict.SKIPPED, Kind.RUNTIME
-                result.reason = (f"{gap}: the ONNX was written and checked but cannot run here; verify the model in "
-                                 "float32, or with an execution provider that has the kernel")
-            raise GraphEnded from gap
-        except Exception as e:
-            if not type(e).__module__.startswith("onnxruntime"):
-                raise
-            result.kind, result.reason = Kind.ERROR, f"onnxruntime cannot load the ONNX written: {error_line(e)}"
-            raise GraphEnded from e
-        finally:
-            result.timings[result.stage] = time.perf_counter() - begin
-        return runner
 
     def _verify(self, runner: GraphRunner, arbitrated: bool = False) -> None:
         """Run every call of the plan; the check ends when the graph fails.  Calls that lacked an
@@ -193,14 +160,15 @@ class GraphCheck:
         gives again is verified again ``arbitrated``: the model in float64 decides which side
         rounds (see :mod:`.verify.arbiter`)."""
         context, result = self.context, self.result
-        context.progress(Stage.VERIFY, self.plan.name)
-        result.stage = Stage.VERIFY
+        stage = Stage.RUN if context.target == Target.EXECUTORCH else Stage.VERIFY
+        context.progress(stage, self.plan.name)
+        result.stage = stage
         begin = time.perf_counter()
         leaves = [self.shapes.call_leaves(i) for i in range(len(self.plan.calls))]
         references = [context.references[c] for c in self.plan.calls]
         float64 = context.float64(self.shapes) if arbitrated else None
         found = context.quiet(lambda: verify_calls(runner, leaves, references, context.tolerance, self.layout, float64))
-        result.timings[Stage.VERIFY] = time.perf_counter() - begin
+        result.timings[stage] = result.timings.get(stage, 0.0) + time.perf_counter() - begin
         call_ids = [context.ids[c] for c in self.plan.calls]
         result.notes.extend(note for note in (padded_note(found, call_ids), float64_note(found, call_ids)) if note)
         stood_in = {i for i in range(len(self.plan.calls)) if None in self.shapes.aligned.calls[i]}
@@ -314,10 +282,12 @@ class GraphCheck:
         begin = time.perf_counter()
         with writing(Stage.VARIATIONS, f"the hypothesis database in {self.directory}"):
             self.directory.mkdir(parents=True, exist_ok=True)
+        database = "hypothesis" if context.target == Target.ONNX else f"hypothesis-{context.target}"
         variation = context.quiet(lambda: explore(
             eager=context.eager(self.shapes), run=runner, shapes=self.shapes, tolerance=context.tolerance,
             examples=context.examples, seed=context.settings.hypothesis_seed,
-            database_dir=self.directory / "hypothesis", storage_dir=context.settings.hypothesis_dir,
+            database_dir=self.directory / database, storage_dir=context.settings.hypothesis_dir,
+            ceilings={name: bound.size for name, bound in self.upper_bounds.items()},
             outputs=self.layout,
             pad_token_id=getattr(getattr(context.module, "config", None), "pad_token_id", None),
             asserted=self.asserted, float64=context.float64(self.shapes),
@@ -350,7 +320,7 @@ class GraphCheck:
     def _exploration_settings(self) -> dict[str, Any]:
         """What an exploration of this graph depends on besides its trace."""
         context = self.context
-        return {"examples": context.examples, "seed": context.settings.hypothesis_seed,
+        return {"target": context.target, "examples": context.examples, "seed": context.settings.hypothesis_seed,
                 "atol": context.tolerance.atol, "rtol": context.tolerance.rtol, "shapes": self.shapes.to_json(),
                 "asserted": [str(condition) for condition in self.asserted]}
 
@@ -367,10 +337,6 @@ def _variation_notes(variation: VariationOutcome) -> list[str]:
         notes.append(f"variations: eager rejected all {variation.tried} generated examples: the model relates sizes "
                      "that the shape model keeps independent (e.g. mask = seq + a constant past)")
     return notes
-
-
-def _float_dtype(module: torch.nn.Module) -> torch.dtype | None:
-    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
 def _json_native(values: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,8 @@ from ..observe.binding import CONSTANT_TYPES
 from ..observe.store import ModelGroup
 from .base.result import ModelResult
 from .base.settings import CheckSettings
-from .export.cache import ExportCache, module_state
+from .export.cache import ExportCache
+from .export.digests import module_state
 
 IN_PROCESS_SECONDS = 2.0  # a check expected to take less runs in process
 IN_PROCESS_BYTES = 64 << 20  # the weights of a model checked in process, at most

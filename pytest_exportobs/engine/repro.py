@@ -22,9 +22,10 @@ import torch
 from torch.utils import _pytree
 
 from ..core.trees import flattening_context, spec_children
-from ..core.vocabulary import STAGES, Stage, StrEnum, Target
+from ..core.vocabulary import STAGES, Stage, Target
 from ..shapes.model import ShapeModel
 from .export.tracing import Capture
+from .repro_script import EXECUTORCH_IMPORTS, FLOWS, FUNCTIONS, SCRIPT, Flow
 
 # The stages a script can rerun: from torch.export to the variations.
 REPRO_STAGES = STAGES[STAGES.index(Stage.TORCH_EXPORT) : STAGES.index(Stage.VARIATIONS) + 1]
@@ -49,137 +50,14 @@ class _Builder:
     config: str | None = None  # the configuration (transformers, diffusers), saved as config.json
 
 
-_SCRIPT = '''\
-"""Reproduces the failure of {model} at stage {stage!r}, found by pytest-exportobs.
-
-`python repro.py` exits with 1 when the failure reproduces. Beside it: weights.pt (state_dict),
-inputs.pt (flat inputs of the failing call and their structure){config_file}.
-"""
-
-{imports}
-
-HERE = pathlib.Path(__file__).resolve().parent
-# one name per dynamic dimension, in the structure of the arguments
-DYNAMIC_SHAPES = {dynamic_shapes}
-{constants}
-
-
-def build_model() -> torch.nn.Module:
-    """The model, its weights not loaded yet."""
-{build}
-
-
-def load_model() -> torch.nn.Module:
-    model = build_model()
-    model.load_state_dict(torch.load(HERE / "weights.pt", weights_only=True), assign=True)
-{method}    return model.eval()
-
-
-def load_call() -> tuple[tuple, dict]:
-    """(args, kwargs) of the failing call, loaded anew each time: models update caches in place."""
-    saved = torch.load(HERE / "inputs.pt", weights_only=True)
-    return _pytree.tree_unflatten(saved["leaves"], _pytree.treespec_loads(saved["spec"]))
-
-{functions}
-
-if __name__ == "__main__":
-    with {context}torch.no_grad():
-        sys.exit(main())
-'''
-
-_EXPORT = '''
-def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    """torch.export as the check captured the model, every named dimension Dim.DYNAMIC (torch
-    finds the equal ones)."""
-    dynamic_shapes = _pytree.tree_map(lambda name: torch.export.Dim.DYNAMIC, DYNAMIC_SHAPES)
-    with torch.fx.experimental._config.patch(backed_size_oblivious=SIZE_OBLIVIOUS):
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=STRICT)
-'''
-
-_MAIN_EXPORT = '''
-def main() -> int:
-    export(load_model(), *load_call())
-    print("torch.export succeeded: the failure does not reproduce")
-    return 0
-'''
-
-_RUN_PROGRAM = '''
-def run_exported(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
-    """Outputs of the program captured by torch.export."""
-    return _pytree.tree_leaves(export(model, args, kwargs).module()(*args, **kwargs))
-'''
-
-_RUN_ONNX = '''
-ONNX_PATH = HERE / "model.onnx"
-
-
-def export_onnx(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.onnx.ONNXProgram:
-    """Export to ONNX beside this script the program captured as the check captured it, and check
-    the model."""
-    onnx_program = torch.onnx.export(export(model, args, kwargs), dynamo=True)
-    onnx_program.save(str(ONNX_PATH))
-    onnx.checker.check_model(str(ONNX_PATH))
-    return onnx_program
-
-
-def run_onnx(args: tuple, kwargs: dict) -> list:
-    """Run the ONNX model with onnxruntime."""
-    session = onnxruntime.InferenceSession(str(ONNX_PATH), providers=["CPUExecutionProvider"])
-    tensors = [t.numpy() for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    return session.run(None, dict(zip([i.name for i in session.get_inputs()], tensors)))
-'''
-
-_MAIN_VERIFY = '''
-def main() -> int:
-    model = load_model()
-    actual = run_exported(model, *load_call())
-    args, kwargs = load_call()
-    result = compare(actual, _pytree.tree_leaves(model(*args, **kwargs)), Tolerance(ATOL, RTOL))
-    print(f"max abs diff {result.max_abs:.3g}, max rel diff {result.max_rel:.3g}: "
-          f"{result.detail or 'within tolerance'}")
-    return 0 if result.ok else 1
-'''
-
-_MAIN_ONNX = '''
-def main() -> int:
-    """``--localize``: on a mismatch, also name the first ONNX node that differs from torch on
-    torch's own values for its inputs, and the source line behind it."""
-    model = load_model()
-    onnx_program = export_onnx(model, *load_call())
-    actual = run_onnx(*load_call())
-    args, kwargs = load_call()
-    expected = _pytree.tree_leaves(model(*args, **kwargs))
-    result = compare(actual, expected, Tolerance(ATOL, RTOL))
-    print(f"max abs diff {result.max_abs:.3g}, max rel diff {result.max_rel:.3g}: "
-          f"{result.detail or 'within tolerance'}")
-    if "--localize" in sys.argv[1:] and not result.ok:
-        tensors = [t for t in _pytree.tree_leaves(load_call()) if isinstance(t, torch.Tensor)]
-        found = localize(onnx_program.exported_program, ONNX_PATH, tensors, Tolerance(ATOL, RTOL), expected=expected)
-        print(found.table())
-    return 0 if result.ok else 1
-'''
-
-class _Flow(StrEnum):
-    """What repro.py reruns: torch.export only, torch.export and the program, or ONNX and onnxruntime."""
-
-    TORCH_EXPORT = "torch.export"
-    PROGRAM = "program"
-    ONNX = "onnx"
-
-
-_FUNCTIONS = {
-    _Flow.TORCH_EXPORT: (_EXPORT, _MAIN_EXPORT),
-    _Flow.PROGRAM: (_EXPORT, _RUN_PROGRAM, _MAIN_VERIFY),
-    _Flow.ONNX: (_EXPORT, _RUN_ONNX, _MAIN_ONNX),
-}
-
-
 def write_repro(
     directory: Path, module: torch.nn.Module, shapes: ShapeModel, leaves: list[Any], *, stage: str,
     target: str, method: str, atol: float | None, rtol: float | None, capture: Capture | None = None,
+    upper_bounds: Mapping[str, int] | None = None,
 ) -> Repro:
     """Write the repro of ``module`` failing at ``stage`` on the call made of ``leaves``, captured
-    by torch.export as the check captured it (``None``: as torch.onnx.export captures first)."""
+    by torch.export as the check captured it (``None``: as torch.onnx.export captures first);
+    ExecuTorch's repro bounds the dynamic dims by ``upper_bounds`` (by name)."""
     if stage not in REPRO_STAGES:
         raise ValueError(f"no repro for stage {stage!r}; stages are {REPRO_STAGES}")
     directory.mkdir(parents=True, exist_ok=True)
@@ -193,10 +71,10 @@ def write_repro(
     if builder.config is not None:
         (directory / "config.json").write_text(builder.config)
     path = directory / "repro.py"
-    flow = (_Flow.TORCH_EXPORT if stage == Stage.TORCH_EXPORT
-            else _Flow.PROGRAM if target == Target.TORCH else _Flow.ONNX)
+    # ExecuTorch's repro lowers even when torch.export failed: the dims are bounded there
+    flow = Flow.TORCH_EXPORT if stage == Stage.TORCH_EXPORT and target != Target.EXECUTORCH else FLOWS[Target(target)]
     path.write_text(_script(module, shapes, builder, transformers, stage, flow, method, atol, rtol,
-                            capture or Capture()))
+                            capture or Capture(), dict(upper_bounds or {})))
     note = (
         f"repro needs the model: {_class_name(type(module))} cannot be rebuilt automatically ({builder.why_not})"
         if builder.why_not else ""
@@ -205,32 +83,34 @@ def write_repro(
 
 
 def _script(
-    module: torch.nn.Module, shapes: ShapeModel, builder: _Builder, transformers: bool, stage: str, flow: _Flow,
-    method: str, atol: float | None, rtol: float | None, capture: Capture,
+    module: torch.nn.Module, shapes: ShapeModel, builder: _Builder, transformers: bool, stage: str, flow: Flow,
+    method: str, atol: float | None, rtol: float | None, capture: Capture, upper_bounds: dict[str, int],
 ) -> str:
     """The text of repro.py, with only the functions its flow needs."""
     constants = [f"SIZE_OBLIVIOUS, STRICT = {capture.oblivious}, {capture.strict}  # how the check captured the model"]
-    if flow != _Flow.TORCH_EXPORT:
+    if flow != Flow.TORCH_EXPORT:
         constants.append(f"ATOL, RTOL = {atol!r}, {rtol!r}  # None: pytest-exportobs' default for the dtype")
-    return _SCRIPT.format(
+    if flow == Flow.EXECUTORCH:
+        constants.append(f"UPPER_BOUNDS = {upper_bounds!r}  # the largest sizes ExecuTorch plans memory for")
+    return SCRIPT.format(
         model=type(module).__qualname__, stage=stage,
         config_file=", config.json" if builder.config is not None else "",
         imports=_imports(flow, builder, transformers),
         dynamic_shapes=_literal(shapes.to_axis_names(), indent=len("DYNAMIC_SHAPES = ")),
-        constants="\n".join(constants), build=builder.body, functions="\n".join(_FUNCTIONS[flow]),
+        constants="\n".join(constants), build=builder.body, functions="\n".join(FUNCTIONS[flow]),
         method="" if method == "forward" else f"    model.forward = model.{method}  # the observed method\n",
         context="register_flattening_functions(), " if transformers else "export_patches(), ",
     )
 
 
-def _imports(flow: _Flow, builder: _Builder, transformers: bool) -> str:
+def _imports(flow: Flow, builder: _Builder, transformers: bool) -> str:
     """Import lines grouped as isort does: standard, third party, the model's, pytest-exportobs."""
     standard = ["import json"] * (builder.config is not None) + ["import pathlib", "import sys"]
-    third_party = ["import onnx", "import onnxruntime"] * (flow == _Flow.ONNX) + [
-        "import torch", "from torch.utils import _pytree"]
+    third_party = ["import onnx", "import onnxruntime"] * (flow == Flow.ONNX) + [
+        "import torch"] + EXECUTORCH_IMPORTS * (flow == Flow.EXECUTORCH) + ["from torch.utils import _pytree"]
     ours = [f"from pytest_exportobs import {'register_flattening_functions' if transformers else 'export_patches'}"] + [
-        "from pytest_exportobs.engine.explore.localize import localize"] * (flow == _Flow.ONNX) + [
-        "from pytest_exportobs.engine.verify.compare import Tolerance, compare"] * (flow != _Flow.TORCH_EXPORT)
+        "from pytest_exportobs.engine.explore.localize import localize"] * (flow == Flow.ONNX) + [
+        "from pytest_exportobs.engine.verify.compare import Tolerance, compare"] * (flow != Flow.TORCH_EXPORT)
     return "\n\n".join("\n".join(group) for group in (standard, third_party, builder.imports, ours) if group)
 
 

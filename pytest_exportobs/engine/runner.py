@@ -107,7 +107,7 @@ def _forked_phase(
         # once for every child (in turn, the first export imports; a rerun the cache serves needs
         # no registry, and its variations come from the cache)
         translating = not settings.use_cache or not ExportCache(settings.cache_dir).holds_traces()
-        prepare(settings.target, translating)
+        prepare(settings.targets, translating)
         if translating:
             prepare_variations(settings.hypothesis_dir)
     except KeyboardInterrupt:

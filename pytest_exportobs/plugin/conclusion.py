@@ -44,7 +44,9 @@ class Concluding:
         for name in sorted(observed - set(self.results)):
             self.results[name] = incomplete(name, "the process that observed it ended without a result "
                                                   "(crashed worker?)")
-        results = [self.results[n] for n in sorted(self.results)]
+        targets = self.options.check.targets  # from here on, one result per model and target
+        self.results = {r.name: r for n in sorted(self.results) for r in self.results[n].per_target(targets)}
+        results = list(self.results.values())
         interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
         self.gate = self._judge(results, collected, record=self.options.baseline_update and not interrupted)
         self.problems += [f"exportobs: session problem, no verdict on {r.name} (at {r.stage}): {r.reason}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from ..core.vocabulary import Target
 from ..engine.base.settings import DIM_MODES, CheckSettings
 
 TARGETS = tuple(target.value for target in Target)
+EXECUTORCH_EXTRA = "pytest-exportobs[executorch]"
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,10 @@ SETTINGS = (
             "in this session", where="cli", kind="flag"),
     Setting("export_examples", "hypothesis shape variations per model (default 10, 0 = off)", default="10",
             metavar="N"),
-    Setting("export_target", "stop after torch.export (torch, fast) or go to ONNX + onnxruntime (onnx, default)",
-            default=Target.ONNX.value, choices=TARGETS),
+    Setting("export_target", "where each model goes, comma-separated: onnx (default; ONNX + onnxruntime), "
+            "executorch (an ExecuTorch program run by its runtime, with the XNNPACK delegate; needs "
+            f"{EXECUTORCH_EXTRA}), torch (stop after torch.export, fast; instead of onnx); e.g. onnx,executorch: "
+            "one outcome per model and target", default=Target.ONNX.value, metavar="TARGETS"),
     Setting("export_strict", "a fixed known failure or a baseline entry with no model fails the gate",
             kind="flag", default=False),
     Setting("export_isolate", "export and run each model in a subprocess (a native crash fails one model)",
@@ -138,7 +142,7 @@ class Options:
             threads=max(1, _share_of_cores(config) // jobs),
             check=CheckSettings(
                 export_dir=_path(config, "export_dir") or config.rootpath / ".exportobs",
-                target=Target(_choice(read(config, "export_target") or Target.ONNX.value, "export_target", TARGETS)),
+                targets=_targets(read(config, "export_target") or Target.ONNX.value),
                 atol=_float(read(config, "export_atol"), "export_atol"),
                 rtol=_float(read(config, "export_rtol"), "export_rtol"),
                 examples=_int(read(config, "export_examples"), "export_examples"),
@@ -214,6 +218,32 @@ def _choice(value: str, name: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise pytest.UsageError(f"{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` (dotted) can be imported, without importing it (its parents are)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _targets(value: str) -> tuple[Target, ...]:
+    """``onnx,executorch``: each target once, in the order of :class:`Target` (ONNX's program
+    traced first, lowered for ExecuTorch after); torch replaces onnx, and executorch needs its
+    extra installed."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    for name in names:
+        _choice(name, "export_target", TARGETS)
+    targets = tuple(target for target in Target if target.value in names)
+    if not targets:
+        raise pytest.UsageError(f"export_target names no target; targets are {', '.join(TARGETS)}")
+    if Target.ONNX in targets and Target.TORCH in targets:
+        raise pytest.UsageError("export_target: torch stops after torch.export instead of going to ONNX; "
+                                "name onnx or torch, not both")
+    if Target.EXECUTORCH in targets and not _installed("executorch.exir"):
+        raise pytest.UsageError(f"--export-target executorch needs ExecuTorch: pip install '{EXECUTORCH_EXTRA}'")
+    return targets
 
 
 def _hypothesis_seed(config: pytest.Config) -> int | None:

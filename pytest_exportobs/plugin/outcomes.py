@@ -83,8 +83,9 @@ def _report(entry: GateEntry, result: ModelResult | None, when: When, verbose: b
 
 
 def _properties(result: ModelResult) -> list[tuple[str, str]]:
-    """junitxml properties: the stage reached, and each graph of a model exported as several."""
-    return [("exportobs_stage", result.stage), *(("exportobs_graph", text) for text in graph_lines(result))]
+    """junitxml properties: the target, the stage reached, and each graph of a model exported as several."""
+    return [("exportobs_target", result.target), ("exportobs_stage", result.stage),
+            *(("exportobs_graph", text) for text in graph_lines(result))]
 
 
 def graph_lines(result: ModelResult) -> list[str]:
@@ -128,8 +129,9 @@ def detail_text(result: ModelResult) -> str:
         lines.append(f"variations: {v['tried']} tried, {v['valid']} valid, {v['failed']} failed")
     lines.extend(f"graph {text}" for text in graph_lines(result))
     lines.extend(f"note: {n}" for n in result.notes)
-    if result.onnx_path:
-        lines.append(f"onnx: {result.onnx_path}" + (" (cache hit)" if result.cache_hit else ""))
+    for kind, path in (("onnx", result.onnx_path), ("pte", result.pte_path)):
+        if path:
+            lines.append(f"{kind}: {path}" + (" (cache hit)" if result.cache_hit else ""))
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_exportobs.core.vocabulary import Verdict
+from pytest_exportobs.core.vocabulary import Target, Verdict
 from pytest_exportobs.engine import runner
 from pytest_exportobs.engine.base.result import ModelResult
 from pytest_exportobs.engine.base.settings import CheckSettings
@@ -197,9 +197,9 @@ def test_ctrl_c_taken_by_another_thread_stops_the_forked_checks(
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # this thread takes the signal
         os.kill(os.getpid(), signal.SIGINT)
 
-    settings = CheckSettings(export_dir=tmp_path, target="torch", examples=0)
+    settings = CheckSettings(export_dir=tmp_path, targets=(Target.TORCH,), examples=0)
     groups = [forked_group("stalled"), forked_group("after")]
-    prepare(settings.target)  # the signal comes while the child stalls, not while the parent imports
+    prepare(settings.targets)  # the signal comes while the child stalls, not while the parent imports
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         threading.Timer(1.0, interrupt).start()
@@ -227,7 +227,7 @@ def test_ctrl_c_while_a_child_starts_leaves_its_model_interrupted(
         start(process)
 
     monkeypatch.setattr(fork, "start", start_or_interrupt)
-    settings = CheckSettings(export_dir=tmp_path, target="torch", examples=0)
+    settings = CheckSettings(export_dir=tmp_path, targets=(Target.TORCH,), examples=0)
     results = list(check_all([forked_group("first"), forked_group("second")], settings, isolate=True))
     assert [(r.name, r.verdict, r.reason) for r in results] == [
         ("first", "passed", ""), ("second", "interrupted", "interrupted (Ctrl-C) before its check began")]
@@ -245,7 +245,7 @@ def test_the_checks_collect_their_garbage_without_walking_the_objects_made_befor
 
     monkeypatch.setattr(runner, "check_model", frozen_objects)  # a forked child inherits it
     before = gc.get_freeze_count()
-    settings = CheckSettings(export_dir=tmp_path, target="torch", examples=0)
+    settings = CheckSettings(export_dir=tmp_path, targets=(Target.TORCH,), examples=0)
     [result] = check_all([forked_group("mlp")], settings, isolate=isolate)
     assert int(result.reason) > 100_000  # torch alone holds more
     assert gc.get_freeze_count() == before

@@ -319,7 +319,7 @@ def test_each_graph_of_a_model_is_shown_recorded_and_gated(pytester: pytest.Pyte
         f"  [[]without past[]]  passed  *  1    *  {without_past}",
     ])
     assert junit_properties(pytester.path / "junit.xml", "decoder") == [
-        ("exportobs_stage", "verify"),
+        ("exportobs_target", "torch"), ("exportobs_stage", "verify"),
         ("exportobs_graph", f"[with past] passed, calls 1 2, {with_past}"),
         ("exportobs_graph", f"[without past] passed, calls 0, {without_past}"),
     ]

@@ -22,7 +22,7 @@ from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.core.vocabulary import Target
 from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
-from pytest_exportobs.engine.export import cache
+from pytest_exportobs.engine.export import cache, digests
 from pytest_exportobs.engine.verify.compare import OutputLayout, Tolerance, compare, run_and_compare
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 from pytest_exportobs.shapes.spec import spec_api
@@ -261,7 +261,7 @@ def test_an_entry_made_by_other_code_of_the_plugin_misses_the_cache(
     version number, other source) is not served."""
     group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
     assert check_model(group, settings(tmp_path)).cache_hit is False
-    monkeypatch.setattr(cache, "_plugin_digest", lambda: "other code")
+    monkeypatch.setattr(digests, "plugin_digest", lambda: "other code")
     assert check_model(group, settings(tmp_path)).cache_hit is False
     monkeypatch.undo()
     assert check_model(group, settings(tmp_path)).cache_hit is True
@@ -426,7 +426,7 @@ def test_a_trace_the_cache_holds_is_found_without_running_eager_on_a_made_exampl
 
 def test_target_torch_stops_after_torch_export(tmp_path: Path) -> None:
     group = observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),))
-    result = check_model(group, settings(tmp_path, target="torch"))
+    result = check_model(group, settings(tmp_path, targets=(Target.TORCH,)))
     assert (result.verdict, result.stage, result.onnx_path) == ("passed", "verify", "")
     assert "onnx-translate" not in result.timings
     assert result.max_abs is not None and result.max_abs < 1e-5
@@ -507,7 +507,7 @@ def test_calls_with_other_constants_get_a_graph_of_their_own(tmp_path: Path, tar
         module(torch.randn(2, 4), return_dict=True)
         module(torch.randn(3, 4), return_dict=True)
         module(torch.randn(5, 4))  # like a direct call beside generate()'s calls: y, not 2 * y
-    result = check_model(group, settings(tmp_path, target=target))
+    result = check_model(group, settings(tmp_path, targets=(Target(target),)))
     assert (result.verdict, result.n_observations, len(result.discrepancies)) == ("passed", 3, 3), result.reason
     graphs = [(g.name, g.calls, g.constants, g.verdict, g.dims) for g in result.graphs]
     assert graphs == [
@@ -811,7 +811,7 @@ def test_checks_forked_after_prepare_inherit_the_registry_with_this_packages_tra
     fresh = functools.cache(torch_private._torchlib_registry.__wrapped__)
     monkeypatch.setattr(torch_private, "_torchlib_registry", fresh)
     try:
-        pipeline.prepare(Target.ONNX)
+        pipeline.prepare((Target.ONNX,))
         table = torch_private.onnx_decompositions()
         torch_private.register_translations(pipeline.custom_translations())
         assert torch_private.onnx_decompositions() is table
@@ -1371,7 +1371,7 @@ def test_more_structures_than_the_old_cap_each_get_their_graph(tmp_path: Path) -
     with store.observe(module, "scaled", ObserveOptions(store_n_calls=10), "t") as group:
         for scale in range(2, 10):  # eight constants, eight graphs (the cap was 6: two calls left unverified)
             module(torch.randn(scale, 4), scale=scale)
-    result = check_model(group, settings(tmp_path, target="torch"))
+    result = check_model(group, settings(tmp_path, targets=(Target.TORCH,)))
     assert result.verdict == "passed", result.reason
     assert sorted(g.constants["scale"] for g in result.graphs) == list(range(2, 10))
 

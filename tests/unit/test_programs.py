@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from pytest_exportobs.core.caches import make_dynamic_cache  # noqa: E402
+from pytest_exportobs.core.vocabulary import Target  # noqa: E402
 from pytest_exportobs.engine.base.settings import CheckSettings  # noqa: E402
 from pytest_exportobs.engine.check import check_model  # noqa: E402
 from pytest_exportobs.observe.store import ObserveOptions, SessionStore  # noqa: E402
@@ -64,7 +65,7 @@ def test_a_saved_program_of_a_cached_decoder_loads_in_a_fresh_process_and_serves
             cache = make_dynamic_cache([(torch.randn(batch, 2, past, 16), torch.randn(batch, 2, past, 16))] * 2)
             model(input_ids=torch.randint(0, 100, (batch, new)),
                   attention_mask=torch.ones(batch, past + new, dtype=torch.int64), past_key_values=cache)
-    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0, target="torch"))
+    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0, targets=(Target.TORCH,)))
     assert result.verdict == "passed", result.reason
     (path,) = [graph.program_path for graph in result.graphs] or [result.program_path]
     assert path.endswith(".pt2") and Path(path).exists()

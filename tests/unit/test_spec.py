@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pytest_exportobs import InputObserver, ObserverError, make_dynamic_cache, register_flattening_functions
+from pytest_exportobs.core.vocabulary import Target
 from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.observe.store import ObserveOptions, SessionStore
@@ -75,7 +76,7 @@ def test_the_engine_says_which_form_of_dims_torch_was_given(llama: torch.nn.Modu
     with store.observe(llama, "llama", ObserveOptions(), "t") as group, torch.no_grad():
         for batch, seq, past in [(2, 3, 4), (3, 1, 6)]:
             llama(**step(batch, seq, past))
-    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0, target="torch"))
+    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0, targets=(Target.TORCH,)))
     assert result.verdict == "passed", result.reason
     assert result.relations == ["total_seq = past_seq + seq"]
     graph = result.graphs[0]

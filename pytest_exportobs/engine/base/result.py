@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...core.text import format_dims
-from ...core.vocabulary import DimSource, Kind, Runtime, Stage, Verdict
+from ...core.vocabulary import DimSource, Kind, Runtime, Stage, Target, Verdict
 
 
 @dataclass(kw_only=True)
@@ -21,6 +22,8 @@ class ExportFiles:
 
     onnx_path: str = ""
     program_path: str = ""  # the ExportedProgram (.pt2) with --export-target torch
+    pte_path: str = ""  # the ExecuTorch program (.pte) with --export-target executorch
+    delegation: dict[str, Any] = field(default_factory=dict)  # of the .pte: see export.lowering.Delegation
     dims_form: str = ""  # how torch was given the dims: ShapesSpec (torch >= 2.14, relations checked) or Dim
     cache_hit: bool = False
     opset: int | None = None
@@ -67,6 +70,7 @@ class GraphResult(ExportFiles):
     traceback: str = ""
     repro_path: str = ""
     localization: dict[str, Any] = field(default_factory=dict)  # of a mismatch: see localize.Localization
+    upper_bounds: dict[str, dict[str, Any]] = field(default_factory=dict)  # ExecuTorch's: {"max": 26, "from": ...}
 
     @property
     def passed(self) -> bool:
@@ -94,6 +98,7 @@ class ModelResult:
 
     name: str
     verdict: Verdict
+    target: Target | str = Target.ONNX
     stage: Stage | str = ""
     kind: Kind | None = None
     reason: str = ""
@@ -113,10 +118,23 @@ class ModelResult:
     model_notes: list[str] = field(default_factory=list)  # on the model as a whole; graphs hold theirs
     model_timings: dict[str, float] = field(default_factory=dict)  # stages of the model as a whole (infer)
     graphs: list[GraphResult] = field(default_factory=list)
+    # the check's results for its other targets (see per_target), until the session concludes
+    other_targets: list[ModelResult] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         return self.verdict == Verdict.PASSED
+
+    def per_target(self, targets: Sequence[Target]) -> list[ModelResult]:
+        """One result per target, named for it (:func:`target_name`): the check's own for each,
+        and for a target it gave none of (a check that ended before that target's: time up, a
+        crash, Ctrl-C, nothing to check), a copy of this result."""
+        found = {Target(r.target): r for r in [self, *self.other_targets]}
+        results = []
+        for target in targets:
+            result = found.get(target) or dataclasses.replace(self, target=target, other_targets=[])
+            results.append(dataclasses.replace(result, name=target_name(self.name, target), other_targets=[]))
+        return results
 
     @property
     def dims(self) -> dict[str, dict[str, str]]:
@@ -137,6 +155,10 @@ class ModelResult:
     @property
     def onnx_path(self) -> str:
         return self.graphs[0].onnx_path if self.graphs else ""
+
+    @property
+    def pte_path(self) -> str:
+        return self.graphs[0].pte_path if self.graphs else ""
 
     @property
     def cache_hit(self) -> bool:
@@ -220,7 +242,8 @@ class ModelResult:
         """Plain JSON types only (the words as text): what xdist's channel and ``json`` carry;
         the fields, and the summaries of the graphs under their names."""
         summaries = {name: getattr(self, name) for name in SUMMARIES}
-        return json.loads(json.dumps(dataclasses.asdict(self) | summaries))
+        others = {"other_targets": [other.to_json() for other in self.other_targets]}
+        return json.loads(json.dumps(dataclasses.asdict(self) | summaries | others))
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelResult:
@@ -228,9 +251,17 @@ class ModelResult:
         ``dims``, ``relations`` and ``bounds`` are what was inferred."""
         values = _known_fields(cls, data)
         values["graphs"] = [GraphResult(**_known_fields(GraphResult, g)) for g in data.get("graphs", [])]
+        values["other_targets"] = [cls.from_json(other) for other in data.get("other_targets", [])]
         if not values["graphs"] and "inferred" not in values:
             values["inferred"] = {k: data[k] for k in ("dims", "relations", "bounds") if k in data}
         return cls(**values)
+
+
+def target_name(name: str, target: Target | str) -> str:
+    """The name of a model's outcome for ``target``: the model's own for ONNX (or its quick
+    stand-in, ``torch``), ``name[executorch]`` for ExecuTorch, so that junitxml, ``-rA`` and the
+    baseline keep the targets of one model apart."""
+    return name if target in (Target.ONNX, Target.TORCH) else f"{name}[{target}]"
 
 
 SUMMARIES = tuple(name for name, value in vars(ModelResult).items()
@@ -241,7 +272,8 @@ def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     """The fields of ``cls`` in ``data``, the vocabulary's words as members."""
     known = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in data.items() if k in known}
-    for name, words in (("verdict", Verdict), ("stage", Stage), ("kind", Kind), ("runtime", Runtime)):
+    for name, words in (("verdict", Verdict), ("stage", Stage), ("kind", Kind), ("runtime", Runtime),
+                        ("target", Target)):
         if values.get(name) in words._value2member_map_:
             values[name] = words(values[name])
     if values.get("kind") == "":  # reports written before a missing kind was None

@@ -15,7 +15,9 @@ DIM_MODES = ("roles", "observed")
 class CheckSettings:
     """Session-wide settings of the check (per-model marker options override tolerances/examples).
 
-    ``target`` ``onnx`` exports to ONNX and runs onnxruntime, ``torch`` stops after torch.export;
+    ``targets``: ``onnx`` exports to ONNX and runs onnxruntime, ``executorch`` lowers to an
+    ExecuTorch program and runs ExecuTorch's runtime (each target a result of its own), ``torch``
+    stops after torch.export;
     ``dims`` ``roles`` makes dynamic the dims whose role demands it (batch, sequence, cache and
     encoder lengths) besides the ones the tests vary, ``observed`` only the latter;
     ``patches`` are dotted paths to context-manager factories entered around export and
@@ -24,7 +26,7 @@ class CheckSettings:
     """
 
     export_dir: Path
-    target: Target = Target.ONNX
+    targets: tuple[Target, ...] = (Target.ONNX,)
     atol: float | None = None
     rtol: float | None = None
     examples: int = 10

@@ -30,7 +30,7 @@ import json
 import math
 import os
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from random import Random
@@ -112,7 +112,8 @@ class VariationOutcome:
 
 
 def size_ranges(
-    shapes: ShapeModel, max_elements: int = MAX_ELEMENTS, recorded_only: bool = False
+    shapes: ShapeModel, max_elements: int = MAX_ELEMENTS, recorded_only: bool = False,
+    ceilings: Mapping[str, int] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """``(low, high)`` of every free variable: from 2 (or the observed minimum when smaller) up
     to twice the observed maximum (at least 8; an image's side or a signal's length to half again
@@ -123,7 +124,7 @@ def size_ranges(
     one the graph was traced at (a size the tests never used stays within reach); a sliding
     window's term reaches past the window's limit when that is within 512.  With
     ``recorded_only`` the sizes of empty stand-ins (a cache absent at prefill) do not count as
-    observed."""
+    observed.  No high exceeds a variable's ``ceilings`` (the largest size the target planned for)."""
     bounds = shapes.bounds(recorded_only)
     spatial = {v.name for v in shapes.variables if v.role in SPATIAL}
     ranges = {name: _range(*bounds[name], name in spatial) for name in free_variables(shapes)}
@@ -131,6 +132,10 @@ def size_ranges(
         if window.term in ranges:
             low, high = ranges[window.term]
             ranges[window.term] = (low, max(high, min(window.limit + 2, MAX_SIZE)))
+    for name, ceiling in (ceilings or {}).items():
+        if name in ranges:
+            low, high = ranges[name]
+            ranges[name] = (min(low, ceiling), min(high, ceiling))
     traced = export_sizes(shapes)
     floors = {name: min(high, max(low, traced.get(name, low) + 1)) for name, (low, high) in ranges.items()}
     def growth(name: str) -> float:
@@ -171,6 +176,7 @@ def explore(
     asserted: Sequence[Any] = (),
     storage_dir: Path | None = None,
     float64: Float64Model | None = None,
+    ceilings: Mapping[str, int] | None = None,
 ) -> VariationOutcome:
     """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them, then,
     unless one failed, the largest (every free size at the high of its range, whatever
@@ -181,11 +187,11 @@ def explore(
     hypothesis' own storage (the constants it reads from the sources of the local modules, cached
     by their hash), ``database_dir`` unless given: one for a session spares each check reading
     every local module again; ``float64``: the model in float64, which judges a mismatch (see
-    :mod:`..verify.arbiter`)."""
+    :mod:`..verify.arbiter`); ``ceilings``: see :func:`size_ranges`."""
     from hypothesis import find, strategies
     from hypothesis.errors import NoSuchExample, Unsatisfiable
 
-    ranges = size_ranges(shapes, recorded_only=recorded_only)
+    ranges = size_ranges(shapes, recorded_only=recorded_only, ceilings=ceilings)
     trials = _Trials(eager, run, shapes, tolerance, recipes(shapes, pad_token_id), outputs, list(asserted), float64)
     if not ranges or examples <= 0:
         return trials.outcome(None)

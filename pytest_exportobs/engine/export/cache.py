@@ -1,4 +1,4 @@
-"""The export cache: what torch.export and the ONNX translation produced, at two levels.
+"""The export cache: what torch.export, the ONNX translation and ExecuTorch's lowering produced.
 
 A *trace* entry, keyed by everything the trace depends on except the weights' values, holds what
 the trace established and the key of its graph: a hit skips torch.export.  An export that failed
@@ -9,7 +9,10 @@ by the traced program itself, holds its ONNX file, optimized with the weights he
 that none is folded into another initializer: they stay initializers named after the module's
 state): a hit skips the decomposition and the translation, and graphs that differ only by
 constants the trace never reads share one.  Other weights than those the file holds (a suite that
-does not seed its models) are applied to it by name: never a stale weight.  An *exploration*
+does not seed its models) are applied to it by name: never a stale weight.  A *lowered* entry,
+keyed by the trace and the weights' values (an ExecuTorch program holds them, packed by its
+delegate), holds the ``.pte`` file, what the delegate took and what the trace established, or how
+the lowering failed.  An *exploration*
 entry, keyed by the trace and the exploration's settings, holds the outcome of variations the
 graph passed: a rerun does not explore shapes again when nothing they depend on but the weights'
 values changed.  A *probe* entry, keyed by the model and the shape model of a graph, holds the
@@ -24,9 +27,7 @@ of the same version misses).
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import inspect
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -34,14 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import _pytree
 
-from ...core.configuration import computation, configuration_text
 from ...core.files import FileMark, copy_atomic, write_atomic
 from ...core.versions import package_versions
 from ...core.vocabulary import Kind, Stage
 from ...observe.binding import value_text
 from ...shapes.model import ShapeModel
+from . import digests
+from .digests import call_structure, tensor_bytes
 from .domain import Refinement
 
 # What an entry holds; a change makes earlier entries miss (3: trace and graph entries, weights
@@ -91,6 +92,18 @@ class TraceEntry:
 
 
 @dataclass
+class LoweredEntry:
+    """What lowering a trace for ExecuTorch left besides its ``.pte`` file: what the trace
+    established (its entry), what the XNNPACK delegate took, the lowering's notes and its
+    failure, if it failed (then no file)."""
+
+    trace: TraceEntry
+    delegation: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    failure: ExportFailure | None = None
+
+
+@dataclass
 class GraphEntry:
     """What the translation of a traced program left besides its files: notes of the
     decomposition and translation, opset and op counts of the file, the initializers that are the
@@ -133,7 +146,8 @@ class GraphHit:
 
 @dataclass(frozen=True)
 class ExportCache:
-    """A directory of ``trace-<key>.json``, ``graph-<key>.{json,onnx}``, ``explored-<key>.json``,
+    """A directory of ``trace-<key>.json``, ``graph-<key>.{json,onnx}``, ``lowered-<key>.{json,pte}``,
+    ``explored-<key>.json``,
     ``probed-<key>.json`` and ``check-<key>.json`` entries; ``extra`` (the export patches) is part
     of every key."""
 
@@ -146,7 +160,7 @@ class ExportCache:
         arguments bound, the input structure (tree, dtypes, ranks) and its dynamic dims, the names,
         dtypes and shapes of the weights (not their values), the values of tensors held as plain
         attributes, package versions, the plugin's code, patches and :data:`ENTRY_FORMAT`."""
-        digest = _module_digest(module)
+        digest = digests.module_digest(module)
         constants = sorted((k, value_text(v)) for k, v in shapes.aligned.constants().items())
         digest.update(json.dumps([method, shapes.aligned.leaf_names, constants]).encode())
         digest.update(json.dumps(shapes.to_json(), sort_keys=True).encode())
@@ -159,7 +173,7 @@ class ExportCache:
         in :meth:`trace_key`, the structure of its recorded ``calls`` (arguments, keyword
         arguments, training mode; tensors by dtype and shape), the check's JSON-native
         ``settings``, package versions, the plugin's code, patches and :data:`ENTRY_FORMAT`."""
-        digest = _module_digest(module)
+        digest = digests.module_digest(module)
         for args, kwargs, training in calls:
             digest.update(f"{call_structure(args, kwargs)}:{training}".encode())
         digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
@@ -192,7 +206,8 @@ class ExportCache:
         return digest.hexdigest()[:32]
 
     def _common(self, digest: Any) -> None:
-        digest.update(json.dumps([package_versions(), list(self.extra), ENTRY_FORMAT, _plugin_digest()]).encode())
+        common = [package_versions(), list(self.extra), ENTRY_FORMAT, digests.plugin_digest()]
+        digest.update(json.dumps(common).encode())
 
     def exploration_key(self, trace_key: str, settings: object) -> str:
         """Hash of a trace's key and the exploration's JSON-native ``settings``."""
@@ -211,7 +226,7 @@ class ExportCache:
         """Hash of what probing ``shapes``' unvaried dims in eager depends on: the module as in
         :meth:`trace_key`, the method, the constant arguments, the shape model and its calls'
         leaves (dtypes and shapes), package versions, the plugin's code, patches and :data:`ENTRY_FORMAT`."""
-        digest = _module_digest(module)
+        digest = digests.module_digest(module)
         constants = sorted((k, value_text(v)) for k, v in shapes.aligned.constants().items())
         described = [method, shapes.aligned.leaf_names, constants, shapes.to_json()]
         digest.update(json.dumps(described, sort_keys=True).encode())
@@ -234,16 +249,43 @@ class ExportCache:
         return self.directory.is_dir() and any(self.directory.glob("trace-*.json"))
 
     def load_trace(self, key: str) -> TraceEntry | None:
-        meta = self._read(f"trace-{key}.json")
         try:
-            meta["refinements"] = [Refinement.from_json(r) for r in meta["refinements"]]
-            meta["failure"] = ExportFailure.from_json(meta["failure"]) if meta["failure"] else None
-            return TraceEntry(**meta)
+            return _trace_entry(self._read(f"trace-{key}.json"))
         except (ValueError, KeyError, TypeError):  # missing, or not an entry's fields
             return None
 
     def store_trace(self, key: str, entry: TraceEntry) -> None:
-        self._write(f"trace-{key}.json", asdict(entry) | {"refinements": [r.to_json() for r in entry.refinements]})
+        self._write(f"trace-{key}.json", _trace_json(entry))
+
+    def lowered_key(self, trace_key: str, state: dict[str, torch.Tensor]) -> str:
+        """Hash of a trace's key and the values of the module's ``state`` (by name)."""
+        digest = hashlib.sha256(trace_key.encode())
+        for name, tensor in sorted(state.items()):
+            digest.update(name.encode())
+            digest.update(tensor_bytes(tensor))
+        return digest.hexdigest()[:32]
+
+    def load_lowered(self, key: str) -> tuple[LoweredEntry, Path] | None:
+        """The lowering for ExecuTorch under ``key`` (:meth:`lowered_key`) and its ``.pte`` file
+        (as in :meth:`load_graph`); ``None`` when missing, or its file is not the one stored."""
+        path = self.directory / f"lowered-{key}.pte"
+        meta = self._read(f"lowered-{key}.json")
+        if not isinstance(meta, dict):
+            return None
+        try:
+            mark = meta.pop("file")
+            entry = LoweredEntry(**meta | {"trace": _trace_entry(meta["trace"]),
+                                           "failure": meta["failure"] and ExportFailure.from_json(meta["failure"])})
+            if entry.failure is None and not FileMark(**mark).describes(path):
+                return None
+            return entry, path
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def store_lowered(self, key: str, entry: LoweredEntry, path: Path | None) -> None:
+        """Add the ``.pte`` file (``None``: the lowering failed) and its entry, the metadata last."""
+        file = asdict(copy_atomic(path, self.directory / f"lowered-{key}.pte")) if path else None
+        self._write(f"lowered-{key}.json", asdict(entry) | {"trace": _trace_json(entry.trace), "file": file})
 
     def load_graph(self, key: str) -> GraphHit | None:
         """The graph entry when its metadata describes the file there (the content the entry
@@ -279,84 +321,11 @@ class ExportCache:
         write_atomic(self.directory / name, json.dumps(value))
 
 
-def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers by qualified name, tied ones under each of their names (the names
-    torch.export gives the program's state and torch.onnx its initializers)."""
-    return {**dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False))}
+def _trace_entry(meta: dict[str, Any]) -> TraceEntry:
+    meta = meta | {"refinements": [Refinement.from_json(r) for r in meta["refinements"]],
+                   "failure": ExportFailure.from_json(meta["failure"]) if meta["failure"] else None}
+    return TraceEntry(**meta)
 
 
-def _module_digest(module: torch.nn.Module) -> Any:
-    """A SHA-256 object fed with what a trace of ``module`` depends on but its inputs: the classes
-    of the model and its submodules (qualified names and source files), its configuration, what
-    its submodules compute with besides their weights (see :func:`~...core.configuration.computation`),
-    the names, dtypes and shapes of the weights (not their values) and the values of tensors held
-    as plain attributes."""
-    digest = hashlib.sha256()
-    classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in module.modules()})
-    digest.update(json.dumps([classes, configuration_text(module), computation(module, constants=True)]).encode())
-    for source in _source_files(module):
-        digest.update(source.encode())
-    for name, tensor in module_state(module).items():
-        digest.update(f"{name}:{tensor.dtype}:{tensor.layout}:{tuple(tensor.shape)}".encode())
-    for name, tensor in _tensor_attributes(module):
-        digest.update(name.encode())
-        digest.update(tensor_bytes(tensor))
-    return digest
-
-
-def call_structure(args: tuple, kwargs: dict) -> str:
-    """The tree of ``args`` and ``kwargs``, tensors by dtype and shape, other leaves by value
-    (an opaque object by type): what the keys read of a call."""
-    flat, spec = _pytree.tree_flatten((args, kwargs))
-    described = [repr((t.dtype, tuple(t.shape))) if isinstance(t, torch.Tensor) else value_text(t) for t in flat]
-    return f"{spec}[{', '.join(described)}]"
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The values of any tensor as bytes, without a copy of a contiguous one: 0-dim,
-    non-contiguous, sparse, bfloat16 (which numpy lacks) included."""
-    value = tensor.detach().cpu()
-    if value.layout != torch.strided:
-        value = value.to_dense()
-    return value.contiguous().reshape(-1).view(torch.uint8).numpy().data
-
-
-def _tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Tensors held as plain attributes (neither parameters nor buffers): torch.export lifts
-    them into the program as constants, with their values."""
-    return [(f"{prefix}.{name}", value) for prefix, sub in module.named_modules(remove_duplicate=False)
-            for name, value in vars(sub).items() if isinstance(value, torch.Tensor)]
-
-
-def _source_files(module: torch.nn.Module) -> list[str]:
-    """Text of the files defining the classes of the module and its submodules (outside torch)."""
-    classes = {cls for sub in module.modules() for cls in type(sub).__mro__}
-    texts: dict[Any, str] = {}
-    for cls in classes:
-        if cls.__module__.startswith(("torch.", "builtins")) or cls is object:
-            continue
-        try:
-            path = inspect.getsourcefile(cls)
-            texts[path] = _source_text(path) if path else cls.__qualname__
-        except (OSError, TypeError):
-            texts[cls.__qualname__] = f"{cls.__module__}.{cls.__qualname__}"
-    return [texts[k] for k in sorted(texts, key=str)]
-
-
-@functools.cache
-def _plugin_digest() -> str:
-    """Digest of the plugin's own source files, read once per process."""
-    digest = hashlib.sha256()
-    package = Path(__file__).parents[2]
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-@functools.cache
-def _source_text(path: str) -> str:
-    """A source file's text, read once per process: the code a process runs is the code it
-    imported, whatever happens to the file afterwards."""
-    return Path(path).read_text()
+def _trace_json(entry: TraceEntry) -> dict[str, Any]:
+    return asdict(entry) | {"refinements": [r.to_json() for r in entry.refinements]}

@@ -27,8 +27,8 @@ from ...core.text import error_line
 from ...core.vocabulary import Stage
 from ..base.environment import writing
 from ..base.result import ExportFiles
-from .cache import tensor_bytes
 from .decompositions import UNGUARDED_CROSS_ENTROPY
+from .digests import tensor_bytes
 
 MAX_DECOMPOSED = 6  # ops decomposed, one after the other, when their translation to ONNX fails
 

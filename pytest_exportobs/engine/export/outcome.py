@@ -16,6 +16,7 @@ from ..base.environment import EnvironmentProblem
 from ..base.reasons import one_line_reason
 from ..base.result import ExportFiles
 from .domain import Refinement
+from .lowering import UpperBound
 from .specializations import Specialized
 from .tracing import Capture, Example
 
@@ -49,6 +50,7 @@ class ExportOutcome(ExportFiles):
     pinned: str = ""  # the variable torch pinned to a constant, when that failed the export
     # for each output of the ONNX file, the index of the traced program's output it is (empty: the same order)
     output_order: list[int] = field(default_factory=list)
+    upper_bounds: dict[str, UpperBound] = field(default_factory=dict)  # of each variable (target executorch)
 
 
 class StageFailed(Exception):

@@ -1,18 +1,21 @@
-"""Export one module to ONNX through explicit, separately timed stages.
+"""Export one module to ONNX, or to ExecuTorch, through explicit, separately timed stages.
 
 ``torch.export`` → decompositions → ONNX translation → ``onnx.checker`` (ORT loading is the
-verifier's first step).  Every failure becomes an :class:`ExportOutcome` naming the stage, the
+verifier's first step); for ExecuTorch, ``torch.export`` → ``lower`` (the edge dialect, the
+XNNPACK delegate, the ``.pte`` file).  Every failure becomes an :class:`ExportOutcome` naming the stage, the
 kind and a one-line reason; nothing raises.  The shape model is refined with what torch proved,
 and the dims reported are read back from the file written.  An :class:`~.cache.ExportCache`
 skips the capture when nothing the trace depends on changed, and the decomposition and
-translation when the traced program is one it holds.
+translation when the traced program is one it holds (the lowering when it holds the trace's
+``.pte`` for the same weights); a check of several targets traces once, each target after the
+first taking the program traced for it (:class:`Traced`).
 """
 
 from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +32,9 @@ from ...core.trees import spec_paths
 from ...core.vocabulary import Stage, Target
 from ...shapes.model import ShapeModel
 from ..base.environment import EnvironmentProblem, writing
-from .cache import ExportCache, ExportFailure, GraphEntry, GraphHit, TraceEntry, call_structure, module_state
+from .cache import ExportCache, ExportFailure, GraphEntry, GraphHit, TraceEntry
 from .capturing import begin, captured
+from .digests import call_structure, module_state
 from .domain import (
     Refinement,
     Shape,
@@ -43,76 +47,111 @@ from .domain import (
     read_dims,
     refinements,
 )
+from .executorch_stages import load_lowered, to_executorch
 from .onnx_stages import check_onnx, decompose, finish, save_with_weights, translate
 from .outcome import ExportOutcome, StageFailed, Stages
 from .probe import SizeProbe
+from .replay import failed_as_before, keep, restore, trace_entry
 from .trace_inputs import example_to_trace, planned_example
-from .tracing import Capture
 from .tracing_patches import NO_PATCHES, TracingPatches
 from .translations import custom_translations
 
 
+@dataclass(frozen=True)
+class Traced:
+    """A program traced for one target of a check, for the next target to take under the same
+    trace key: the program, its symbols' names and what the trace established (as a trace entry)."""
+
+    program: torch.export.ExportedProgram
+    names: dict[str, str]
+    entry: TraceEntry
+
+
 def export_model(
-    module: torch.nn.Module, shapes: ShapeModel, target: Target, onnx_path: Path,
+    module: torch.nn.Module, shapes: ShapeModel, target: Target, path: Path,
     cache: ExportCache | None = None, method: str = "forward", probe: SizeProbe | None = None,
-    patches: TracingPatches = NO_PATCHES,
+    patches: TracingPatches = NO_PATCHES, traces: dict[str, Traced] | None = None,
 ) -> ExportOutcome:
     """Export ``module.<method>`` called on ``shapes``' example inputs with its dynamic dimensions,
-    torch.export running under ``patches``; ``target`` ``onnx`` translates and writes
-    ``onnx_path``, ``torch`` stops after torch.export.  The shape model is refined with what torch
-    proved (equal dims, multiples of 2...).  The ``probe`` runs eager at sizes torch's bounds
-    exclude (``None``: bounds are not checked)."""
+    torch.export running under ``patches``; ``target`` ``onnx`` translates and writes ``path``,
+    ``executorch`` lowers the program and writes ``path`` as a ``.pte`` (see :mod:`.lowering`),
+    ``torch`` stops after torch.export.  The shape model is refined with what torch proved (equal
+    dims, multiples of 2...).  The ``probe`` runs eager at sizes torch's bounds exclude (``None``:
+    bounds are not checked).  ``traces`` holds the programs traced for the check's other targets,
+    by trace key: one found there is not traced again, one traced here is added."""
     outcome, exported = begin(module, shapes, method)
     stages = Stages(outcome)
-    cached = cache if target == Target.ONNX else None
+    cached = cache if target != Target.TORCH else None
+    state = module_state(exported)
     planned = None
     if cached is not None:
         # the example a trace takes unless eager rejects it: a trace the cache holds runs no eager
         planned = outcome.example = planned_example(shapes, not outcome.bound)
         key = outcome.trace_key = cached.trace_key(module, method, shapes, planned.args, planned.kwargs)
-        if _load_traced(cached, key, module_state(exported), onnx_path, shapes, outcome):
+        if _served(cached, key, target, module, state, path, shapes, outcome):
             return outcome
     outcome.example = example_to_trace(getattr(module, method), shapes, not outcome.bound, outcome.notes)
     if cached is not None and planned is not None and call_structure(
             outcome.example.args, outcome.example.kwargs) != call_structure(planned.args, planned.kwargs):
         key = outcome.trace_key = cached.trace_key(module, method, shapes, outcome.example.args,
                                                    outcome.example.kwargs)
-        if _load_traced(cached, key, module_state(exported), onnx_path, shapes, outcome):
+        if _served(cached, key, target, module, state, path, shapes, outcome):
             return outcome
     try:
-        with stages.run(Stage.TORCH_EXPORT):
-            traced = captured(exported, shapes, outcome, probe, patches)
-        refined = [*made_static(shapes, traced.shapes), *traced.splits]  # already in traced.shapes
-        program, outcome.dims_form = traced.program, traced.form
-        outcome.program = program
-        outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
-        final, names = _refine(traced.shapes, program_shapes(program), refined, outcome)
+        program, final, names = _traced(stages, exported, shapes, outcome, probe, patches, traces)
         if target == Target.TORCH:
             outcome.dims = read_dims(final, outcome.example.inputs, program_shapes(program), names)
-            _save_program(program, onnx_path.with_suffix(".pt2"), outcome)
+            _save_program(program, path.with_suffix(".pt2"), outcome)
+            return outcome
+        if target == Target.EXECUTORCH:
+            outcome.dims = read_dims(final, outcome.example.inputs, program_shapes(program), names)
+            to_executorch(stages, program, module, path, outcome, cached, state)
             return outcome
         traced_notes = list(outcome.notes)
-        graph = _to_onnx(stages, program, names, onnx_path, outcome, cache, module_state(exported))
-        outcome.dims = _onnx_dims(final, onnx_path, outcome)
+        graph = _to_onnx(stages, program, names, path, outcome, cache, state)
+        outcome.dims = _onnx_dims(final, path, outcome)
         if cache is not None:
-            entry = TraceEntry(graph, traced_notes, outcome.refinements, outcome.outputs, outcome.dims_form, None,
-                               *_capture_fields(outcome))
-            _keep(outcome, cache, lambda: cache.store_trace(key, entry))
+            entry = replace(trace_entry(outcome, graph), notes=traced_notes)
+            keep(outcome, cache, lambda: cache.store_trace(key, entry))
     except StageFailed:
-        if cached is not None and (failed := _failed_entry(shapes, outcome)) is not None:
-            _keep(outcome, cached, lambda: cached.store_trace(outcome.trace_key, failed))
+        if cached is not None and outcome.stage != Stage.LOWER and (failed := _failed_entry(shapes, outcome)):
+            keep(outcome, cached, lambda: cached.store_trace(outcome.trace_key, failed))
     return outcome
 
 
-def _keep(outcome: ExportOutcome, cache: ExportCache, store: Callable[[], None]) -> None:
-    """Store an entry for the next export; a cache that cannot be written costs that export its
-    speed, not this model its verdict (a note)."""
-    try:
-        store()
-    except OSError as e:
-        note = f"the export cache {cache.directory} cannot be written ({e}): the next run exports again"
-        if note not in outcome.notes:
-            outcome.notes.append(note)
+def _traced(
+    stages: Stages, exported: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome,
+    probe: SizeProbe | None, patches: TracingPatches, traces: dict[str, Traced] | None,
+) -> tuple[torch.export.ExportedProgram, ShapeModel, dict[str, str]]:
+    """The program, the shape model it refined and its symbols' names: the program traced for
+    another target under the same key, else traced here (and kept in ``traces``)."""
+    known = traces.get(outcome.trace_key) if traces is not None and outcome.trace_key else None
+    if known is not None:
+        restore(known.entry, shapes, outcome)
+        outcome.cache_hit, outcome.program, outcome.stage = False, known.program, Stage.TORCH_EXPORT
+        outcome.notes = list(known.entry.notes)
+        return known.program, outcome.shapes, known.names
+    with stages.run(Stage.TORCH_EXPORT):
+        traced = captured(exported, shapes, outcome, probe, patches)
+    refined = [*made_static(shapes, traced.shapes), *traced.splits]  # already in traced.shapes
+    program, outcome.dims_form = traced.program, traced.form
+    outcome.program = program
+    outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
+    final, names = _refine(traced.shapes, program_shapes(program), refined, outcome)
+    if traces is not None and outcome.trace_key:
+        traces[outcome.trace_key] = Traced(program, names, trace_entry(outcome))
+    return program, final, names
+
+
+def _served(
+    cache: ExportCache, key: str, target: Target, module: torch.nn.Module, state: dict[str, torch.Tensor],
+    path: Path, shapes: ShapeModel, outcome: ExportOutcome,
+) -> bool:
+    """Whether the export cache serves the export under trace ``key`` (``outcome`` then set as the
+    export would have it): the trace's ONNX graph or ``.pte`` file, or an earlier run's failure."""
+    if target == Target.EXECUTORCH:
+        return load_lowered(cache, key, module, state, path, shapes, outcome)
+    return _load_traced(cache, key, state, path, shapes, outcome)
 
 
 def _refine(
@@ -184,7 +223,7 @@ def _to_onnx(
     if cache is not None:
         entry = GraphEntry(outcome.opset, outcome.op_counts, outcome.notes[first_note:], weight_names, names,
                            outcome.output_order)
-        _keep(outcome, cache, lambda: cache.store_graph(key, path, entry))
+        keep(outcome, cache, lambda: cache.store_graph(key, path, entry))
     return key
 
 
@@ -246,14 +285,7 @@ def _failed_entry(shapes: ShapeModel, outcome: ExportOutcome) -> TraceEntry | No
         return None
     failure = ExportFailure(outcome.stage, outcome.kind, outcome.error_type, outcome.reason, outcome.traceback,
                             outcome.pinned)
-    return TraceEntry("", list(outcome.notes), found, outcome.outputs, outcome.dims_form, failure,
-                      *_capture_fields(outcome))
-
-
-def _capture_fields(outcome: ExportOutcome) -> tuple[bool, bool]:
-    """How the program was captured, as a trace entry keeps it: ``strict``, ``oblivious``."""
-    capture = outcome.capture or Capture()
-    return capture.strict, capture.oblivious
+    return replace(trace_entry(outcome, failure=failure), refinements=found)
 
 
 def _load_traced(
@@ -264,7 +296,7 @@ def _load_traced(
     it failed."""
     entry = cache.load_trace(key)
     if entry is not None and entry.failure is not None:
-        _failed_as_before(entry, entry.failure, shapes, outcome)
+        failed_as_before(entry, entry.failure, shapes, outcome)
         return True
     hit = cache.load_graph(entry.graph) if entry is not None else None
     if entry is None or hit is None:
@@ -274,40 +306,26 @@ def _load_traced(
         outcome.notes = notes
         return False
     outcome.stage = Stage.ONNX_CHECKER
-    _restore(entry, shapes, outcome)
+    restore(entry, shapes, outcome)
     outcome.notes.append("export cache hit: torch.export and translation skipped")
     outcome.dims = _onnx_dims(outcome.shapes, path, outcome)
     return True
 
 
-def _failed_as_before(entry: TraceEntry, failure: ExportFailure, shapes: ShapeModel, outcome: ExportOutcome) -> None:
-    """The outcome of an export that failed on an earlier run of the same trace."""
-    outcome.ok = False
-    outcome.stage, outcome.kind, outcome.error_type = failure.stage, failure.kind, failure.error_type
-    outcome.reason, outcome.traceback, outcome.pinned = failure.reason, failure.traceback, failure.pinned
-    _restore(entry, shapes, outcome)
-    outcome.notes = [*entry.notes, f"export cache hit: this trace failed at {failure.stage} on an earlier run with "
-                                   "nothing it depends on changed since, not exported again"]
-
-
-def _restore(entry: TraceEntry, shapes: ShapeModel, outcome: ExportOutcome) -> None:
-    """What the trace of ``entry`` established, into ``outcome``: the refinements of ``shapes``,
-    the outputs' names and how torch was given the dims (a cache hit)."""
-    outcome.cache_hit = True
-    outcome.refinements, outcome.outputs, outcome.dims_form = entry.refinements, entry.outputs, entry.dims_form
-    outcome.capture = Capture(strict=entry.strict, oblivious=entry.oblivious)
-    outcome.shapes, _ = apply_refinements(shapes, entry.refinements)
-
-
-def prepare(target: Target, translating: bool = True) -> None:
+def prepare(targets: tuple[Target, ...], translating: bool = True) -> None:
     """Import what the first export imports and, when graphs are to be ``translating`` (not a
     rerun whose export cache holds the traces), build the torchlib registry with this
     package's translations and the decomposition table a program taken as traced is read
     with: once, before forked checks, which inherit them instead of each paying about 2 s for
     the registry and 0.07 s for the table (which a translation registered later builds again);
-    they are part of the heap frozen while the checks run."""
+    they are part of the heap frozen while the checks run.  ExecuTorch's lowering and runtime
+    are imported too when a target is ExecuTorch (about 3 s each child would pay)."""
     import_export_machinery()
-    if target == Target.ONNX:
+    if Target.EXECUTORCH in targets:
+        importlib.import_module("executorch.exir")
+        importlib.import_module("executorch.backends.xnnpack.partition.xnnpack_partitioner")
+        importlib.import_module("executorch.runtime")
+    if Target.ONNX in targets:
         importlib.import_module("onnxruntime")
         if translating:
             register_translations(custom_translations())

@@ -1,0 +1,85 @@
+"""ExecuTorch's runtime running a ``.pte`` program (``--export-target executorch``) on the flat
+leaves of an aligned call.
+
+The runtime is native code that aborts on some programs; a program is first loaded and run on
+one call in a forked process (:func:`probe_run`), so that a crash fails its model, not the
+session.  Each size of an input is checked against the upper bound memory was planned for
+before a call: a size beyond it is a clear failure (:class:`BeyondBound`), not the runtime's
+error code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...core.vocabulary import Runtime
+from .runtimes import NativeCrash
+
+PROBE_SECONDS = 600  # a probe still running then is killed: the runtime hangs on the program
+
+
+class BeyondBound(Exception):
+    """A call's size of a dynamic dim exceeds the upper bound the program's memory was planned for."""
+
+
+class PteRunner:
+    """The ``forward`` method of a ``.pte`` program loaded by ExecuTorch's runtime; its outputs
+    copied out of the memory the runtime plans (the next call overwrites it)."""
+
+    runtime = Runtime.EXECUTORCH
+
+    def __init__(self, path: Path, bounds: dict[int, dict[int, tuple[str, int]]] | None = None,
+                 mutated_inputs: int = 0):
+        from executorch.runtime import Runtime as ExecuTorchRuntime
+
+        self.program = ExecuTorchRuntime.get().load_program(str(path))  # the method needs it alive
+        self.method = self.program.load_method("forward")
+        self.inputs = self.method.metadata.num_inputs()
+        self.bounds = bounds or {}  # per leaf: {dim: (its variable, the largest size planned for)}
+        self.mutated_inputs = mutated_inputs  # the first outputs: inputs the program updates in place
+
+    def __call__(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
+        for leaf, bounds in self.bounds.items():
+            for dim, (name, largest) in bounds.items():
+                if isinstance(leaves[leaf], torch.Tensor) and leaves[leaf].shape[dim] > largest:
+                    raise BeyondBound(f"{name} = {leaves[leaf].shape[dim]} is beyond the upper bound {largest} the "
+                                      "program's memory was planned for")
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if len(tensors) != self.inputs:
+            raise ValueError(f"the ExecuTorch program has {self.inputs} inputs, the call gives {len(tensors)} tensors")
+        outputs = self.method.execute([t.contiguous() for t in tensors])[self.mutated_inputs:]
+        return [o.clone() for o in outputs if isinstance(o, torch.Tensor)]
+
+
+def probe_run(path: Path, leaves: Sequence[Any]) -> None:
+    """Load the program and run it on ``leaves`` in a forked process first: raises
+    :class:`~.runtimes.NativeCrash` when the runtime dies there (a signal), or does not end within
+    :data:`PROBE_SECONDS`.  An error the runtime reports is left to the run in this process."""
+    pid = os.fork()
+    if pid == 0:  # the child: never back into the parent's code (pytest's handlers, atexit)
+        status = 1
+        try:
+            torch.set_num_threads(1)  # torch's OpenMP pool is not fork-safe; ExecuTorch's makes its own
+            PteRunner(path)(leaves)
+            status = 0
+        finally:
+            os._exit(status)
+    deadline = time.monotonic() + PROBE_SECONDS
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise NativeCrash(f"no end within {PROBE_SECONDS} s")
+        time.sleep(0.02)
+    if os.WIFSIGNALED(status):
+        raise NativeCrash(signal.Signals(os.WTERMSIG(status)).name)
