@@ -67,7 +67,7 @@ class Diagnosis:
         def portable() -> Discrepancy:
             traced = program if program is not None else traced_program(
                 context.module, shapes, context.method, context.patches, self.capture)
-            bounds = {name: UpperBound(bound["max"], bound["from"]) for name, bound in result.upper_bounds.items()}
+            bounds = {name: UpperBound.from_json(bound) for name, bound in result.upper_bounds.items()}
             inputs = [shapes.aligned.leaf_names.index(name) for name in result.inputs]
             path = self.directory / "portable.pte"
             lowered = lower(traced, symbol_maxima(traced, shapes, inputs, bounds), path, delegate=False)

@@ -31,6 +31,8 @@ from pytest_exportobs.compat.torch_private import (
     ExportUserError,
     FakeTensor,
     deregister_pytree_node,
+    drop_runtime_asserts,
+    flat_call_spec,
     import_export_machinery,
     onnx_registry,
     prepare_for_onnx,
@@ -40,6 +42,7 @@ from pytest_exportobs.compat.torch_private import (
     sympy_functions,
     to_onnx_program,
     unchecked_module,
+    upper_bounded,
 )
 from pytest_exportobs.compat.torch_text import (
     SHAPES_LOGGER,
@@ -79,6 +82,36 @@ def test_an_unchecked_module_runs_sizes_its_programs_guards_reject() -> None:
     unchecked = unchecked_module(program)
     for batch in (1, 64):
         torch.testing.assert_close(unchecked(torch.ones(batch, 4)), torch.full((batch, 4), 2.0))
+
+
+class NotThreeRows(torch.nn.Module):
+    """Takes any number of rows but 3 (it says so to torch), gives a dict and a tuple."""
+
+    def forward(self, x: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, Any]:
+        torch._check(x.shape[0] != 3)
+        return {"y": x * extra["scale"], "z": (x + 1,)}
+
+
+@pytest.mark.skipif(not DEFERRED_ASSERTS, reason="this torch defers no guard as a runtime assert")
+def test_a_program_is_bounded_and_flat_only_within_the_lowerings_contexts() -> None:
+    program = torch.export.export(NotThreeRows(), (torch.randn(4, 3), {"scale": torch.randn(3)}),
+                                  dynamic_shapes=({0: torch.export.Dim.DYNAMIC}, {"scale": None}),
+                                  prefer_deferred_runtime_asserts_over_guards=True)
+    (rows,) = [symbol for symbol in program.range_constraints if str(symbol).startswith("s")]
+    ranges, specs = dict(program.range_constraints), (program.call_spec.in_spec, program.call_spec.out_spec)
+    with upper_bounded(program, {str(rows): 8}):
+        assert (program.range_constraints[rows].lower, program.range_constraints[rows].upper) == (2, 8)
+    with flat_call_spec(program):
+        assert program.call_spec.in_spec == torch.utils._pytree.tree_structure(((0, 1), {}))
+        assert program.call_spec.out_spec == torch.utils._pytree.tree_structure((0, 1))
+    assert dict(program.range_constraints) == ranges
+    assert (program.call_spec.in_spec, program.call_spec.out_spec) == specs
+    asserts = [node for node in program.graph.nodes if node.target == torch.ops.aten._assert_scalar.default]
+    assert asserts
+    drop_runtime_asserts(program)
+    assert [node for node in program.graph.nodes if node.target == torch.ops.aten._assert_scalar.default] == []
+    x, scale = torch.randn(6, 3), torch.randn(3)
+    assert torch.equal(program.module()(x, {"scale": scale})["y"], x * scale)
 
 
 def test_the_exporters_two_steps_and_axis_renaming_make_a_valid_onnx_model() -> None:

@@ -11,7 +11,14 @@ import torch
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.core.vocabulary import Target, Verdict
 from pytest_exportobs.engine.base.result import ModelResult, target_name
-from pytest_exportobs.engine.export.lowering import Delegation, UpperBound, bounds_note, symbol_maxima, upper_bounds
+from pytest_exportobs.engine.export.lowering import (
+    Delegation,
+    UpperBound,
+    bounds_note,
+    symbol_maxima,
+    upper_bounds,
+    within_torch_bounds,
+)
 from pytest_exportobs.shapes.inference import DimPolicy
 
 from models import MLP
@@ -66,6 +73,25 @@ def test_the_bounds_reach_the_symbols_of_the_traced_program() -> None:
     batch_symbol, seq_symbol = (str(size) for size in placeholder.meta["val"].shape)
     maxima = symbol_maxima(program, shapes, [0], upper_bounds(shapes, model))
     assert maxima == {batch_symbol: 16, seq_symbol: 128}
+
+
+class Window(torch.nn.Module):
+    """Attends within a window of 10 positions: it says so to torch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._check(x.shape[1] <= 10)
+        return x.softmax(dim=1)
+
+
+def test_a_bound_torch_export_puts_on_a_dim_is_the_one_planned_for_where_tighter() -> None:
+    model = Window()
+    shapes = observe(model, (torch.randn(2, 6),), (torch.randn(3, 8),))
+    program = torch.export.export(model, (torch.randn(2, 6),),
+                                  dynamic_shapes=({0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},))
+    bounds = within_torch_bounds(program, shapes, [0], upper_bounds(shapes, model))
+    assert bounds == {"batch": UpperBound(16, "the smallest bound, over the largest size observed, 3"),
+                      "x_dim1": UpperBound(10, "torch.export's bound")}
+    assert UpperBound.from_json(bounds["x_dim1"].to_json()) == bounds["x_dim1"]
 
 
 def test_the_delegation_note_names_what_runs_on_portable_kernels_largest_first() -> None:

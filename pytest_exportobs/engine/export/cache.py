@@ -94,12 +94,12 @@ class TraceEntry:
 @dataclass
 class LoweredEntry:
     """What lowering a trace for ExecuTorch left besides its ``.pte`` file: what the trace
-    established (its entry), what the XNNPACK delegate took, the lowering's notes and its
-    failure, if it failed (then no file)."""
+    established (its entry), what the XNNPACK delegate took, the upper bounds memory was planned
+    for (by variable) and its failure, if it failed (then no file)."""
 
     trace: TraceEntry
     delegation: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
+    upper_bounds: dict[str, dict[str, Any]] = field(default_factory=dict)
     failure: ExportFailure | None = None
 
 

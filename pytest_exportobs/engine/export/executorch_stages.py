@@ -12,7 +12,7 @@ from ...core.vocabulary import Kind, Stage
 from ...shapes.model import ShapeModel
 from ..base.environment import writing
 from .cache import ExportCache, ExportFailure, LoweredEntry
-from .lowering import lower, symbol_maxima, upper_bounds
+from .lowering import UpperBound, lower, symbol_maxima, upper_bounds, within_torch_bounds
 from .outcome import ExportOutcome, StageFailed, Stages
 from .replay import failed_as_before, keep, restore, trace_entry
 
@@ -25,8 +25,10 @@ def to_executorch(
     the lowering, or its failure, kept in the export cache."""
     assert outcome.example is not None
     traced = trace_entry(outcome)
-    outcome.upper_bounds = upper_bounds(outcome.shapes, module)
-    maxima = symbol_maxima(program, outcome.shapes, outcome.example.inputs, outcome.upper_bounds)
+    inputs = outcome.example.inputs
+    bounds = within_torch_bounds(program, outcome.shapes, inputs, upper_bounds(outcome.shapes, module))
+    outcome.upper_bounds = bounds
+    maxima = symbol_maxima(program, outcome.shapes, inputs, bounds)
     key = cache.lowered_key(outcome.trace_key, state) if cache is not None and outcome.trace_key else ""
     try:
         with stages.run(Stage.LOWER):
@@ -38,11 +40,12 @@ def to_executorch(
         raise
     outcome.pte_path = str(path)
     if cache is not None and key:
-        keep(outcome, cache, lambda: cache.store_lowered(key, LoweredEntry(traced, outcome.delegation), path))
+        planned = {name: bound.to_json() for name, bound in bounds.items()}
+        keep(outcome, cache, lambda: cache.store_lowered(key, LoweredEntry(traced, outcome.delegation, planned), path))
 
 
 def load_lowered(
-    cache: ExportCache, key: str, module: torch.nn.Module, state: dict[str, torch.Tensor], path: Path,
+    cache: ExportCache, key: str, state: dict[str, torch.Tensor], path: Path,
     shapes: ShapeModel, outcome: ExportOutcome,
 ) -> bool:
     """Whether the export cache serves the lowering of trace ``key`` for these weights (``outcome``
@@ -63,8 +66,8 @@ def load_lowered(
         path.parent.mkdir(parents=True, exist_ok=True)
         copy_atomic(file, path)
     restore(lowered.trace, shapes, outcome)
-    outcome.notes = [*lowered.trace.notes, *lowered.notes, "export cache hit: torch.export and lowering skipped"]
+    outcome.notes = [*lowered.trace.notes, "export cache hit: torch.export and lowering skipped"]
     outcome.stage, outcome.pte_path, outcome.delegation = Stage.LOWER, str(path), lowered.delegation
-    outcome.upper_bounds = upper_bounds(outcome.shapes, module)
+    outcome.upper_bounds = {name: UpperBound.from_json(bound) for name, bound in lowered.upper_bounds.items()}
     outcome.dims = outcome.shapes.to_json()["dims"]
     return True

@@ -20,6 +20,7 @@ from typing import Any
 import sympy
 import torch
 
+from ...compat.executorch_private import python_sym_functions_verified
 from ...compat.torch_private import drop_runtime_asserts, flat_call_spec, size_oblivious, upper_bounded
 from ...core.configuration import declared_limit
 from ...core.vocabulary import AxisRole, Stage
@@ -45,6 +46,10 @@ class UpperBound:
 
     def to_json(self) -> dict[str, Any]:
         return {"max": self.size, "from": self.source}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> UpperBound:
+        return cls(data["max"], data["from"])
 
 
 def upper_bounds(shapes: ShapeModel, module: torch.nn.Module) -> dict[str, UpperBound]:
@@ -90,6 +95,22 @@ def symbol_maxima(
             largest = (bounds[name].size - int(offset)) // int(step)
             maxima[str(symbol)] = min(maxima.get(str(symbol), largest), largest)
     return maxima
+
+
+def within_torch_bounds(
+    program: torch.export.ExportedProgram, shapes: ShapeModel, inputs: list[int], bounds: dict[str, UpperBound],
+) -> dict[str, UpperBound]:
+    """``bounds`` with each variable's lowered to the bound torch.export put on its symbol where
+    that one is tighter (a sliding window's ``past_seq <= 15``): the bound the program is planned for."""
+    read, axes = program_shapes(program), shapes.leaf_axes()
+    found = dict(bounds)
+    for position, leaf in enumerate(inputs):
+        for dim, name in axes[leaf].items():
+            size = read[position][dim] if position < len(read) and dim < len(read[position]) else None
+            known = program.range_constraints.get(size) if isinstance(size, sympy.Symbol) else None
+            if known is not None and name in found and known.upper.is_Integer and int(known.upper) < found[name].size:
+                found[name] = UpperBound(int(known.upper), "torch.export's bound")
+    return found
 
 
 @dataclass
@@ -145,7 +166,7 @@ def lower(program: torch.export.ExportedProgram, maxima: dict[str, int], path: P
 
     drop_runtime_asserts(program)  # as ExecuTorch does, before its verifier rejects some
     # sizes 0 and 1 not specialized while the edge dialect decomposes, as while torch.onnx does
-    with upper_bounded(program, maxima), size_oblivious():
+    with upper_bounded(program, maxima), size_oblivious(), python_sym_functions_verified():
         edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()] if delegate else [])
         lowered = edge.exported_program()
         delegation = _delegation(lowered)  # before to_executorch plans memory in its graph

@@ -88,14 +88,14 @@ def export_model(
         # the example a trace takes unless eager rejects it: a trace the cache holds runs no eager
         planned = outcome.example = planned_example(shapes, not outcome.bound)
         key = outcome.trace_key = cached.trace_key(module, method, shapes, planned.args, planned.kwargs)
-        if _served(cached, key, target, module, state, path, shapes, outcome):
+        if _served(cached, key, target, state, path, shapes, outcome):
             return outcome
     outcome.example = example_to_trace(getattr(module, method), shapes, not outcome.bound, outcome.notes)
     if cached is not None and planned is not None and call_structure(
             outcome.example.args, outcome.example.kwargs) != call_structure(planned.args, planned.kwargs):
         key = outcome.trace_key = cached.trace_key(module, method, shapes, outcome.example.args,
                                                    outcome.example.kwargs)
-        if _served(cached, key, target, module, state, path, shapes, outcome):
+        if _served(cached, key, target, state, path, shapes, outcome):
             return outcome
     try:
         program, final, names = _traced(stages, exported, shapes, outcome, probe, patches, traces)
@@ -144,13 +144,13 @@ def _traced(
 
 
 def _served(
-    cache: ExportCache, key: str, target: Target, module: torch.nn.Module, state: dict[str, torch.Tensor],
-    path: Path, shapes: ShapeModel, outcome: ExportOutcome,
+    cache: ExportCache, key: str, target: Target, state: dict[str, torch.Tensor], path: Path, shapes: ShapeModel,
+    outcome: ExportOutcome,
 ) -> bool:
     """Whether the export cache serves the export under trace ``key`` (``outcome`` then set as the
     export would have it): the trace's ONNX graph or ``.pte`` file, or an earlier run's failure."""
     if target == Target.EXECUTORCH:
-        return load_lowered(cache, key, module, state, path, shapes, outcome)
+        return load_lowered(cache, key, state, path, shapes, outcome)
     return _load_traced(cache, key, state, path, shapes, outcome)
 
 

@@ -11,6 +11,7 @@ error code.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Sequence
@@ -23,6 +24,17 @@ from ...core.vocabulary import Runtime
 from .runtimes import NativeCrash
 
 PROBE_SECONDS = 600  # a probe still running then is killed: the runtime hangs on the program
+
+
+# executorch/runtime/core/error.h
+_ERRORS = {
+    0x01: "Internal", 0x02: "InvalidState", 0x03: "EndOfMethod", 0x04: "AlreadyLoaded", 0x10: "NotSupported",
+    0x11: "NotImplemented", 0x12: "InvalidArgument", 0x13: "InvalidType", 0x14: "OperatorMissing",
+    0x20: "NotFound", 0x21: "MemoryAllocationFailed", 0x22: "AccessFailed", 0x23: "InvalidProgram",
+    0x24: "InvalidExternalData", 0x25: "OutOfResources", 0x30: "DelegateInvalidCompatibility",
+    0x31: "DelegateMemoryAllocationFailed", 0x32: "DelegateInvalidHandle",
+}
+_ERROR_CODE = re.compile(r"failed with error (0x[0-9a-fA-F]+)")
 
 
 class BeyondBound(Exception):
@@ -54,7 +66,11 @@ class PteRunner:
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if len(tensors) != self.inputs:
             raise ValueError(f"the ExecuTorch program has {self.inputs} inputs, the call gives {len(tensors)} tensors")
-        outputs = self.method.execute([t.contiguous() for t in tensors])[self.mutated_inputs:]
+        try:
+            outputs = self.method.execute([t.contiguous() for t in tensors])[self.mutated_inputs:]
+        except RuntimeError as e:  # "... failed with error 0x10": the code's name says more
+            code = _ERROR_CODE.search(str(e))
+            raise RuntimeError(f"{e} ({_ERRORS.get(int(code.group(1), 16), 'unknown')})" if code else str(e)) from e
         return [o.clone() for o in outputs if isinstance(o, torch.Tensor)]
 
 
