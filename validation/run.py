@@ -80,6 +80,11 @@ class Group:
     observations: int
     seconds: float
     sources: list[str] = field(default_factory=list)
+    target: str = "onnx"
+
+    def labelled(self, row: str) -> str:
+        """The table row a group of ``row`` counts in: ``row`` for ONNX, ``row[executorch]``."""
+        return row if self.target in ("onnx", "torch") else f"{row}[{self.target}]"
 
 
 @dataclass
@@ -175,7 +180,7 @@ def read_groups(report: Path) -> list[Group]:
     return [
         Group(m["name"], m["model_class"].rsplit(".", 1)[-1], m["verdict"], m.get("stage", ""), m.get("kind") or "",
               m.get("reason", ""), len(m.get("graphs", [])), m.get("n_observations", 0),
-              sum(m.get("timings", {}).values()), m.get("sources", []))
+              sum(m.get("timings", {}).values()), m.get("sources", []), m.get("target", "onnx"))
         for m in (models.values() if isinstance(models, dict) else models)
     ]
 
@@ -249,13 +254,31 @@ def main_groups(unit: Unit, groups: list[Group]) -> dict[str, str]:
     return found
 
 
+_PLUGIN_FLAGS = {"--export-check", "--export-strict", "--export-isolate", "--export-baseline-update",
+                 "--export-baseline-prune"}  # the plugin's options that take no value
+
+
+def _plain(pytest_args: list[str]) -> list[str]:
+    """The arguments of the run without the plugin: the plugin's own options left out
+    (``--export-target executorch``, ``--export-target=executorch``)."""
+    kept, skip = [], False
+    for arg in pytest_args:
+        if skip:
+            skip = False
+        elif arg.startswith("--export-"):
+            skip = "=" not in arg and arg not in _PLUGIN_FLAGS
+        else:
+            kept.append(arg)
+    return kept
+
+
 def measure(args: argparse.Namespace, unit: Unit) -> Measured:
     out = args.workdir / unit.name
     saved = out / "without.json"
     if args.skip_baseline and saved.exists():
         without = Run(**json.loads(saved.read_text()))
     else:
-        without = run_tests(args.python, unit, out, plugin=False, extra=args.pytest_args)
+        without = run_tests(args.python, unit, out, plugin=False, extra=_plain(args.pytest_args))
         saved.write_text(json.dumps(asdict(without)))
     with_plugin = run_tests(args.python, unit, out, plugin=True, extra=args.pytest_args)
     groups = read_groups(out / "report.json")
@@ -272,7 +295,7 @@ def transformers_units(args: argparse.Namespace) -> list[Unit]:
     if args.mirror is not None:
         assemble(args.mirror, args.tag, args.tests, args.python)
     return [Unit(arch, args.tests, [f"tests/models/{arch}/test_modeling_{arch}.py"], "transformers.PreTrainedModel",
-                 lambda group: group.model_class) for arch in args.arch]
+                 lambda group: group.labelled(group.model_class)) for arch in args.arch]
 
 
 def timm_units(args: argparse.Namespace) -> list[Unit]:
@@ -289,7 +312,7 @@ def timm_units(args: argparse.Namespace) -> list[Unit]:
 
     def row(group: Group) -> str:
         found = sorted({name for source in group.sources for name in _timm_test(source)[1] & wanted})
-        return found[0] if found else "(other)"
+        return group.labelled(found[0] if found else "(other)")
 
     return [Unit("timm", args.tests, selected, "torch.nn.Module", row, ("test_model_forward", "test_model_backward"))]
 
@@ -300,7 +323,7 @@ def diffusers_units(args: argparse.Namespace) -> list[Unit]:
     if "-k" not in args.pytest_args:
         args.pytest_args += ["-k", OFFLINE]
     return [Unit("diffusers", args.tests, [f"tests/models/{name}" for name in args.files], "diffusers.ModelMixin",
-                 lambda group: group.model_class)]
+                 lambda group: group.labelled(group.model_class))]
 
 
 def _timm_test(node: str) -> tuple[str, set[str]]:

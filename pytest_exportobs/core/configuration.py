@@ -85,6 +85,22 @@ def declared_limit(module: Any) -> tuple[str, int] | None:
     return next(iter(_maxima(module)), None)
 
 
+def rope_factor(module: Any) -> float:
+    """How far the model's rotary scaling stretches its declared maximum (``rope_parameters``,
+    ``rope_scaling`` before transformers 5: linear, dynamic, YaRN... ``{"factor": 2.0}``; per
+    attention type, the largest); 1.0 without one."""
+    config = getattr(module, "config", None)
+    factors = [1.0]
+    for found in filter(None, [config, getattr(config, "text_config", None)]):
+        for key in ("rope_parameters", "rope_scaling"):
+            entry = _entry(found, key)
+            for parameters in [entry, *entry.values()] if isinstance(entry, dict) else []:
+                factor = parameters.get("factor") if isinstance(parameters, dict) else None
+                if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+                    factors.append(float(factor))
+    return max(factors)
+
+
 def _maxima(module: Any) -> list[tuple[str, int]]:
     """The :data:`MAXIMUM_KEYS` entries of the model's configurations that are positive integers."""
     config = getattr(module, "config", None)

@@ -54,6 +54,16 @@ def test_a_sequence_is_bounded_by_the_declared_maximum_a_batch_by_twice_its_larg
     }
 
 
+def test_a_rotary_scaling_factor_stretches_the_declared_maximum() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, max_position_embeddings=512,
+                                      rope_scaling={"rope_type": "linear", "factor": 2.0})
+    model = transformers.LlamaModel(config).eval()
+    shapes = observe(model, (torch.randint(0, 64, (2, 7)),), (torch.randint(0, 64, (1, 12)),))
+    assert upper_bounds(shapes, model)["seq"] == UpperBound(1024, "max_position_embeddings = 512 x rope factor 2")
+
+
 def test_without_a_declared_maximum_every_dim_gets_the_margin_and_at_least_16() -> None:
     model = MLP()
     shapes = observe(model, (torch.randn(2, 8),), (torch.randn(3, 8),))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ...compat.torch_text import translated_op, unsupported_ops
@@ -57,10 +59,18 @@ def _lowered_node(error: BaseException) -> str:
         node = next((v for v in frame.f_locals.values() if isinstance(v, torch.fx.Node) and v.op == "call_function"),
                     None)
         if node is not None:
-            op = getattr(node.target, "_op", node.target)  # an edge op's ATen op
             line = quoted_model_line(node.meta.get("stack_trace") or "")
-            return f" ({op}{f' at {line}' if line else ''})"
+            return f" ({op_name(node.target)}{f' at {line}' if line else ''})"
     return ""
+
+
+def op_name(target: Any) -> str:
+    """``aten.index.Tensor`` of an edge op, the function's name of anything else."""
+    if isinstance(getattr(target, "_op", None), torch._ops.OpOverload):  # an EdgeOpOverload
+        target = target._op
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
 
 
 def _full_text(error: BaseException) -> str:

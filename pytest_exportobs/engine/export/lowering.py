@@ -22,11 +22,12 @@ import torch
 
 from ...compat.executorch_private import python_sym_functions_verified
 from ...compat.torch_private import drop_runtime_asserts, flat_call_spec, size_oblivious, upper_bounded
-from ...core.configuration import declared_limit
+from ...core.configuration import declared_limit, rope_factor
 from ...core.vocabulary import AxisRole, Stage
 from ...shapes.model import ShapeModel
 from ..base.environment import writing
 from ..base.frames import quoted_model_line
+from ..base.reasons import op_name
 from .domain import program_shapes
 
 MARGIN = 2  # a bound no configuration declares: this many times the largest size observed
@@ -54,12 +55,14 @@ class UpperBound:
 
 def upper_bounds(shapes: ShapeModel, module: torch.nn.Module) -> dict[str, UpperBound]:
     """The upper bound of every variable of ``shapes``: a sequence's from the model's declared
-    maximum, any other's :data:`MARGIN` times its largest size (at least :data:`SMALLEST_BOUND`)."""
-    declared = declared_limit(module)
+    maximum (stretched by its rotary scaling factor), any other's :data:`MARGIN` times its
+    largest size (at least :data:`SMALLEST_BOUND`)."""
+    declared, factor = declared_limit(module), rope_factor(module)
     found = {}
     for var in shapes.variables:
         if var.role in SEQUENCES and declared is not None:
-            found[var.name] = UpperBound(declared[1], f"{declared[0]} = {declared[1]}")
+            stretched = f" x rope factor {factor:g}" if factor > 1 else ""
+            found[var.name] = UpperBound(int(declared[1] * factor), f"{declared[0]} = {declared[1]}{stretched}")
             continue
         largest = var.bounds[1]
         size = max(MARGIN * largest, SMALLEST_BOUND)
@@ -226,12 +229,12 @@ def _delegation(program: torch.export.ExportedProgram) -> Delegation:
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
-        name = _op_name(node.target)
+        name = op_name(node.target)
         if name == "executorch_call_delegate":
             found.partitions += 1
             inner = getattr(module, node.args[0].target).original_module.graph.nodes
             taken.update(name for inside in inner if inside.op == "call_function"
-                         and (name := _op_name(inside.target)) not in _BOOKKEEPING)
+                         and (name := op_name(inside.target)) not in _BOOKKEEPING)
         elif name not in _BOOKKEEPING and _computes_tensors(node):
             portable[name] += 1
             left.append((_elements(node.meta.get("val")), name, quoted_model_line(node.meta.get("stack_trace") or "")))
@@ -248,15 +251,6 @@ def _computes_tensors(node: torch.fx.Node) -> bool:
     value = node.meta.get("val")
     values = value if isinstance(value, (tuple, list)) else [value]
     return any(isinstance(v, torch.Tensor) for v in values)
-
-
-def _op_name(target: Any) -> str:
-    """``aten.index.Tensor`` of an edge op, the function's name of anything else."""
-    if isinstance(getattr(target, "_op", None), torch._ops.OpOverload):  # an EdgeOpOverload
-        target = target._op
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target)
-    return getattr(target, "__name__", str(target))
 
 
 def _elements(value: Any) -> int:
