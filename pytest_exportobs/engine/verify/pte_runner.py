@@ -70,7 +70,10 @@ class PteRunner:
             outputs = self.method.execute([t.contiguous() for t in tensors])[self.mutated_inputs:]
         except RuntimeError as e:  # "... failed with error 0x10": the code's name says more
             code = _ERROR_CODE.search(str(e))
-            raise RuntimeError(f"{e} ({_ERRORS.get(int(code.group(1), 16), 'unknown')})" if code else str(e)) from e
+            named = f"{e} ({_ERRORS.get(int(code.group(1), 16), 'unknown')})" if code else str(e)
+            if "set_inputs" in named:  # the sizes were found within the bounds before the call
+                named += ": the program's inputs do not resize to these sizes, within the bounds planned for"
+            raise RuntimeError(named) from e
         return [o.clone() for o in outputs if isinstance(o, torch.Tensor)]
 
 
