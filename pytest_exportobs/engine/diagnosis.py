@@ -65,8 +65,7 @@ class Diagnosis:
         begin = time.perf_counter()
 
         def portable() -> Discrepancy:
-            traced = program if program is not None else traced_program(
-                context.module, shapes, context.method, context.patches, self.capture)
+            traced = self._program(shapes, program)
             bounds = {name: UpperBound.from_json(bound) for name, bound in result.upper_bounds.items()}
             inputs = [shapes.aligned.leaf_names.index(name) for name in result.inputs]
             path = self.directory / "portable.pte"
@@ -101,13 +100,19 @@ class Diagnosis:
         begin = time.perf_counter()
 
         def traced() -> torch.export.ExportedProgram:
-            return program if program is not None else traced_program(
-                context.module, shapes, context.method, context.patches, self.capture)
+            return self._program(shapes, program)
 
         found = context.quiet(lambda: localize_call(traced, result.onnx_path, leaves, context.tolerance,
                                                     Runtime(result.runtime), expected))
         result.timings["localize"] = time.perf_counter() - begin
         result.localization, result.reason = found.to_json(), f"{result.reason}; {found.summary()}"
+
+    def _program(self, shapes: ShapeModel,
+                 program: torch.export.ExportedProgram | None) -> torch.export.ExportedProgram:
+        """The graph's program as traced, traced again when the export cache served the graph (``None``)."""
+        context = self.context
+        return program if program is not None else traced_program(
+            context.module, shapes, context.method, context.patches, self.capture)
 
     def repro(self, shapes: ShapeModel, leaves: list[Any] | None = None) -> None:
         """Write the self-contained repro of a failure on ``leaves`` (by default the richest

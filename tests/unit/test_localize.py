@@ -73,15 +73,20 @@ def wrong_gelu(x: Any, approximate: str = "none") -> Any:
     return op.Relu(x)
 
 
-@pytest.fixture
-def wrongly_translated_gelu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``aten.gelu`` translated by :func:`wrong_gelu`, in a registry of this test's own."""
+def translated_by(monkeypatch: pytest.MonkeyPatch, op: torch._ops.OpOverload, translation: Any) -> None:
+    """``op`` translated by ``translation``, in a registry of the calling test's own."""
     from torch.onnx._internal.exporter import _registration
 
     registry = _registration.ONNXRegistry.from_torchlib()
     monkeypatch.setattr(torch_private, "_torchlib_registry", lambda: registry)
     monkeypatch.setattr(torch_private, "_REGISTERED", set())
-    monkeypatch.setattr(pipeline, "custom_translations", lambda: {torch.ops.aten.gelu.default: wrong_gelu})
+    monkeypatch.setattr(pipeline, "custom_translations", lambda: {op: translation})
+
+
+@pytest.fixture
+def wrongly_translated_gelu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aten.gelu`` translated by :func:`wrong_gelu`, in a registry of this test's own."""
+    translated_by(monkeypatch, torch.ops.aten.gelu.default, wrong_gelu)
 
 
 @pytest.mark.usefixtures("wrongly_translated_gelu")
@@ -148,12 +153,7 @@ def biased_tanh(x: Any) -> Any:
 @pytest.fixture
 def slightly_biased_tanh(monkeypatch: pytest.MonkeyPatch) -> None:
     """``aten.tanh`` translated by :func:`biased_tanh`, in a registry of this test's own."""
-    from torch.onnx._internal.exporter import _registration
-
-    registry = _registration.ONNXRegistry.from_torchlib()
-    monkeypatch.setattr(torch_private, "_torchlib_registry", lambda: registry)
-    monkeypatch.setattr(torch_private, "_REGISTERED", set())
-    monkeypatch.setattr(pipeline, "custom_translations", lambda: {torch.ops.aten.tanh.default: biased_tanh})
+    translated_by(monkeypatch, torch.ops.aten.tanh.default, biased_tanh)
 
 
 @pytest.mark.slow

@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 
 from ...core.files import copy_atomic
-from ...core.vocabulary import Kind, Stage
+from ...core.vocabulary import Stage
 from ...shapes.model import ShapeModel
 from ..base.environment import writing
-from .cache import ExportCache, ExportFailure, LoweredEntry
+from .cache import ExportCache, LoweredEntry
 from .lowering import UpperBound, lower, symbol_maxima, upper_bounds, within_torch_bounds
 from .outcome import ExportOutcome, StageFailed, Stages
-from .replay import failed_as_before, keep, restore, trace_entry
+from .replay import failed_as_before, failure_of, keep, restore, trace_entry
 
 
 def to_executorch(
@@ -35,7 +35,7 @@ def to_executorch(
             outcome.delegation = lower(program, maxima, path).to_json()
     except StageFailed:
         if cache is not None and key:
-            failure = ExportFailure(Stage.LOWER, Kind.ERROR, outcome.error_type, outcome.reason, outcome.traceback)
+            failure = failure_of(outcome)
             keep(outcome, cache, lambda: cache.store_lowered(key, LoweredEntry(traced, failure=failure), None))
         raise
     outcome.pte_path = str(path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,20 +84,16 @@ def symbol_maxima(
     """The upper bound of every symbol of the program's input sizes (by its text, ``s23``), from
     the bounds of the variables whose axes it sizes: a symbol ``s`` of an axis sized ``a*s + b``
     is bounded so that the axis stays within its variable's bound (the tightest over its axes)."""
-    read = program_shapes(program)
-    axes = shapes.leaf_axes()
     maxima: dict[str, int] = {}
-    for position, leaf in enumerate(inputs):
-        for dim, name in axes[leaf].items():
-            size = read[position][dim] if position < len(read) and dim < len(read[position]) else None
-            if not isinstance(size, sympy.Expr) or len(size.free_symbols) != 1 or name not in bounds:
-                continue
-            (symbol,) = size.free_symbols
-            step, offset = size.subs(symbol, 1) - size.subs(symbol, 0), size.subs(symbol, 0)
-            if not (step.is_Integer and offset.is_Integer and int(step) > 0 and size.equals(step * symbol + offset)):
-                continue
-            largest = (bounds[name].size - int(offset)) // int(step)
-            maxima[str(symbol)] = min(maxima.get(str(symbol), largest), largest)
+    for name, size in _axis_sizes(program, shapes, inputs):
+        if not isinstance(size, sympy.Expr) or len(size.free_symbols) != 1 or name not in bounds:
+            continue
+        (symbol,) = size.free_symbols
+        step, offset = size.subs(symbol, 1) - size.subs(symbol, 0), size.subs(symbol, 0)
+        if not (step.is_Integer and offset.is_Integer and int(step) > 0 and size.equals(step * symbol + offset)):
+            continue
+        largest = (bounds[name].size - int(offset)) // int(step)
+        maxima[str(symbol)] = min(maxima.get(str(symbol), largest), largest)
     return maxima
 
 
@@ -105,15 +102,23 @@ def within_torch_bounds(
 ) -> dict[str, UpperBound]:
     """``bounds`` with each variable's lowered to the bound torch.export put on its symbol where
     that one is tighter (a sliding window's ``past_seq <= 15``): the bound the program is planned for."""
-    read, axes = program_shapes(program), shapes.leaf_axes()
     found = dict(bounds)
+    for name, size in _axis_sizes(program, shapes, inputs):
+        known = program.range_constraints.get(size) if isinstance(size, sympy.Symbol) else None
+        if known is not None and name in found and known.upper.is_Integer and int(known.upper) < found[name].size:
+            found[name] = UpperBound(int(known.upper), "torch.export's bound")
+    return found
+
+
+def _axis_sizes(
+    program: torch.export.ExportedProgram, shapes: ShapeModel, inputs: list[int],
+) -> Iterator[tuple[str, sympy.Expr | int | None]]:
+    """(variable, the program's size of the axis) for every dynamic axis of the program's inputs
+    (``inputs``: the leaves they are); ``None`` where the program has no such axis."""
+    read, axes = program_shapes(program), shapes.leaf_axes()
     for position, leaf in enumerate(inputs):
         for dim, name in axes[leaf].items():
-            size = read[position][dim] if position < len(read) and dim < len(read[position]) else None
-            known = program.range_constraints.get(size) if isinstance(size, sympy.Symbol) else None
-            if known is not None and name in found and known.upper.is_Integer and int(known.upper) < found[name].size:
-                found[name] = UpperBound(int(known.upper), "torch.export's bound")
-    return found
+            yield name, read[position][dim] if position < len(read) and dim < len(read[position]) else None
 
 
 @dataclass

@@ -32,7 +32,7 @@ from ...core.trees import spec_paths
 from ...core.vocabulary import Stage, Target
 from ...shapes.model import ShapeModel
 from ..base.environment import EnvironmentProblem, writing
-from .cache import ExportCache, ExportFailure, GraphEntry, GraphHit, TraceEntry
+from .cache import ExportCache, GraphEntry, GraphHit, TraceEntry
 from .capturing import begin, captured
 from .digests import call_structure, module_state
 from .domain import (
@@ -51,7 +51,7 @@ from .executorch_stages import load_lowered, to_executorch
 from .onnx_stages import check_onnx, decompose, finish, save_with_weights, translate
 from .outcome import ExportOutcome, StageFailed, Stages
 from .probe import SizeProbe
-from .replay import failed_as_before, keep, restore, trace_entry
+from .replay import failed_as_before, failure_of, keep, restore, trace_entry
 from .trace_inputs import example_to_trace, planned_example
 from .tracing_patches import NO_PATCHES, TracingPatches
 from .translations import custom_translations
@@ -283,9 +283,7 @@ def _failed_entry(shapes: ShapeModel, outcome: ExportOutcome) -> TraceEntry | No
     found = outcome.refinements or made_static(shapes, outcome.shapes)
     if apply_refinements(shapes, found)[0].to_json() != outcome.shapes.to_json():
         return None
-    failure = ExportFailure(outcome.stage, outcome.kind, outcome.error_type, outcome.reason, outcome.traceback,
-                            outcome.pinned)
-    return replace(trace_entry(outcome, failure=failure), refinements=found)
+    return replace(trace_entry(outcome, failure=failure_of(outcome)), refinements=found)
 
 
 def _load_traced(

@@ -22,6 +22,13 @@ def keep(outcome: ExportOutcome, cache: ExportCache, store: Callable[[], None]) 
             outcome.notes.append(note)
 
 
+def failure_of(outcome: ExportOutcome) -> ExportFailure:
+    """The failure of ``outcome`` as an entry keeps it (what :func:`failed_as_before` gives back)."""
+    assert outcome.kind is not None
+    return ExportFailure(outcome.stage, outcome.kind, outcome.error_type, outcome.reason, outcome.traceback,
+                         outcome.pinned)
+
+
 def failed_as_before(entry: TraceEntry, failure: ExportFailure, shapes: ShapeModel, outcome: ExportOutcome) -> None:
     """The outcome of an export that failed on an earlier run of the same trace."""
     outcome.ok = False
