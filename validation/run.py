@@ -1,8 +1,9 @@
 """Run a real project's own model tests with every model observed, and read the verdicts as a user would.
 
-Three suites, each run once without the plugin and once with ``--export-check --export-observe CLASS``
-(no conftest, no test edited); every ordinary test's outcome is compared between the two runs,
-and the plugin's JSON report becomes a compatibility table:
+Three suites, each run once without the plugin, once with ``--export-check --export-observe CLASS``
+on a fresh export directory (no conftest, no test edited) and once more on that directory's cache
+(``--no-rerun`` leaves it out); every ordinary test's outcome is compared between the runs, the
+rerun's verdicts with the first run's, and the plugin's JSON report becomes a compatibility table:
 
 - ``transformers``: ``tests/models/<arch>/test_modeling_<arch>.py`` per architecture, observing
   ``transformers.PreTrainedModel``; one row per model class.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -111,6 +113,9 @@ class Measured:
     seconds_with: float
     max_rss_without_kib: int = 0
     max_rss_with_kib: int = 0
+    seconds_rerun: float = 0.0  # 0: not rerun
+    max_rss_rerun_kib: int = 0
+    rerun_changed: dict[str, list[str]] = field(default_factory=dict)  # test or group -> [first, rerun]
     groups: list[Group] = field(default_factory=list)
     rows: dict[str, list[str]] = field(default_factory=dict)  # row -> group names
     mains: dict[str, dict[str, str]] = field(default_factory=dict)  # row -> {label: main group name}
@@ -132,13 +137,13 @@ def assemble(mirror: Path, tag: str, tree: Path, python: str) -> None:
         link.symlink_to(package)
 
 
-def run_tests(python: str, unit: Unit, out: Path, plugin: bool, extra: list[str]) -> Run:
-    """pytest on one unit's tests; junitxml and log into ``out``."""
+def run_tests(python: str, unit: Unit, out: Path, tag: str, extra: list[str]) -> Run:
+    """pytest on one unit's tests: ``without`` the plugin, ``with`` it or a ``rerun`` on the first
+    run's export directory; junitxml, log and the plugin's report into ``out``, named by ``tag``."""
     out.mkdir(parents=True, exist_ok=True)
-    tag = "with" if plugin else "without"
     junit = out / f"junit-{tag}.xml"
-    options = ["--export-check", "--export-observe", unit.observe, f"--export-report={out / 'report.json'}",
-               f"--export-dir={out / 'artifacts'}"] if plugin else ["-p", "no:exportobs"]
+    options = ["--export-check", "--export-observe", unit.observe, f"--export-report={out / _REPORTS[tag]}",
+               f"--export-dir={out / 'artifacts'}"] if tag in _REPORTS else ["-p", "no:exportobs"]
     listed = out / "tests.txt"  # node ids can be too many for a command line
     listed.write_text("\n".join(unit.tests) + "\n")
     command = [python, "-m", "pytest", f"@{listed}", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}",
@@ -154,6 +159,9 @@ def run_tests(python: str, unit: Unit, out: Path, plugin: bool, extra: list[str]
     outcomes = read_junit(junit) if junit.exists() else {}
     return Run(outcomes, process.returncode, seconds, log.read_text().count("INTERNALERROR"),
                usage.ru_maxrss)
+
+
+_REPORTS = {"with": "report.json", "rerun": "report-rerun.json"}  # the plugin's report of each run with it
 
 
 def _environment() -> dict[str, str]:
@@ -185,11 +193,10 @@ def read_groups(report: Path) -> list[Group]:
     ]
 
 
-def compare(without: Run, with_plugin: Run) -> dict[str, list[str]]:
-    """Node ids whose outcome differs: ``{node id: [without, with]}``."""
-    names = without.outcomes.keys() | with_plugin.outcomes.keys()
-    return {n: [without.outcomes.get(n, "absent"), with_plugin.outcomes.get(n, "absent")] for n in sorted(names)
-            if without.outcomes.get(n) != with_plugin.outcomes.get(n)}
+def compare(before: dict[str, str], after: dict[str, str]) -> dict[str, list[str]]:
+    """Names whose outcome or verdict differs: ``{name: [before, after]}``."""
+    return {n: [before.get(n, "absent"), after.get(n, "absent")] for n in sorted(before.keys() | after.keys())
+            if before.get(n) != after.get(n)}
 
 
 def table(result: Measured) -> str:
@@ -198,11 +205,17 @@ def table(result: Measured) -> str:
     slower = result.seconds_with / result.seconds_without if result.seconds_without else float("nan")
     memory = (f"; peak RSS {result.max_rss_without_kib / 2**20:.2f} GB without, "
               f"{result.max_rss_with_kib / 2**20:.2f} GB with" if result.max_rss_with_kib else "")
+    rerun = (f" A rerun on its export cache: {result.seconds_rerun:.0f} s "
+             f"({result.seconds_rerun / result.seconds_without:.1f}x), "
+             f"peak RSS {result.max_rss_rerun_kib / 2**20:.2f} GB, "
+             f"{len(result.rerun_changed)} outcomes or verdicts unlike the first run's."
+             if result.seconds_rerun and result.seconds_without else "")
     lines = [f"## {result.name}", "",
              f"{result.tests} ordinary tests, {len(result.changed)} outcomes changed by the plugin, "
              f"{result.internal_errors} INTERNALERROR; {result.seconds_without:.0f} s without the plugin, "
-             f"{result.seconds_with:.0f} s with it ({slower:.1f}x){memory}.", ""]
+             f"{result.seconds_with:.0f} s with it ({slower:.1f}x){memory}.{rerun}", ""]
     lines += [f"- changed: `{name}` {before} → {after}" for name, (before, after) in result.changed.items()]
+    lines += [f"- on the rerun: `{name}` {first} → {again}" for name, (first, again) in result.rerun_changed.items()]
     lines += ["", "| model | groups | passed / failed / skipped | main groups | not passed: stage / kind "
                   "| check time |", "|---|---|---|---|---|---|"]
     by_name = {g.name: g for g in result.groups}
@@ -237,7 +250,7 @@ def compatibility_page(paths: list[Path]) -> str:
              "`python validation/run.py` wrote to `summary.json`; see [the validation guide](validation.md)). "
              "Each section is one project's own model tests, run once without the plugin and once with every "
              "model observed, no test edited; \"with it\" is the run the table's verdicts come from, a first "
-             "run on a fresh export directory (what a rerun on its cache costs is in [Benchmarks](benchmarks.md)).\n")
+             "run on a fresh export directory, then a rerun on its cache where measured.\n")
     return "\n".join([intro, *(table(result) for path in sorted(paths) for result in load_summary(path))])
 
 
@@ -278,17 +291,29 @@ def measure(args: argparse.Namespace, unit: Unit) -> Measured:
     if args.skip_baseline and saved.exists():
         without = Run(**json.loads(saved.read_text()))
     else:
-        without = run_tests(args.python, unit, out, plugin=False, extra=_plain(args.pytest_args))
+        without = run_tests(args.python, unit, out, "without", _plain(args.pytest_args))
         saved.write_text(json.dumps(asdict(without)))
-    with_plugin = run_tests(args.python, unit, out, plugin=True, extra=args.pytest_args)
+    shutil.rmtree(out / "artifacts", ignore_errors=True)  # a first run: an empty export directory
+    with_plugin = run_tests(args.python, unit, out, "with", args.pytest_args)
     groups = read_groups(out / "report.json")
     rows: dict[str, list[Group]] = defaultdict(list)
     for group in groups:
         rows[unit.row(group)].append(group)
-    return Measured(unit.name, len(without.outcomes), compare(without, with_plugin), with_plugin.internal_errors,
-                    without.seconds, with_plugin.seconds, without.max_rss_kib, with_plugin.max_rss_kib, groups,
-                    {row: [g.name for g in members] for row, members in rows.items()},
-                    {row: main_groups(unit, members) for row, members in rows.items()})
+    measured = Measured(unit.name, len(without.outcomes), compare(without.outcomes, with_plugin.outcomes),
+                        with_plugin.internal_errors, without.seconds, with_plugin.seconds, without.max_rss_kib,
+                        with_plugin.max_rss_kib, groups=groups,
+                        rows={row: [g.name for g in members] for row, members in rows.items()},
+                        mains={row: main_groups(unit, members) for row, members in rows.items()})
+    if args.rerun:
+        rerun = run_tests(args.python, unit, out, "rerun", args.pytest_args)
+        measured.seconds_rerun, measured.max_rss_rerun_kib = rerun.seconds, rerun.max_rss_kib
+        measured.rerun_changed = {**compare(with_plugin.outcomes, rerun.outcomes), **compare(
+            _verdicts(groups), _verdicts(read_groups(out / _REPORTS["rerun"])))}
+    return measured
+
+
+def _verdicts(groups: list[Group]) -> dict[str, str]:
+    return {f"{g.name} [{g.target}]": g.verdict for g in groups}
 
 
 def transformers_units(args: argparse.Namespace) -> list[Unit]:
@@ -339,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable, help="interpreter of the environment to test in")
     parser.add_argument("--workdir", type=Path, default=Path("validation-results"))
     parser.add_argument("--skip-baseline", action="store_true", help="reuse the runs without the plugin")
+    parser.add_argument("--no-rerun", dest="rerun", action="store_false",
+                        help="leave out the rerun on the first run's export cache")
     suites = parser.add_subparsers(dest="suite", required=True)
     tf = suites.add_parser("transformers", help="transformers' tests/models/<arch>")
     tf.add_argument("--arch", nargs="+", required=True, help="directories of tests/models (bert, llama, ...)")

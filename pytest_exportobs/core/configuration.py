@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import types
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,8 +21,9 @@ CHANNEL_KEYS = ("in_channels", "num_channels", "in_chans")
 MAXIMUM_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
                 "max_source_positions", "max_target_positions", "max_length")
 # where a configuration was loaded from, not what the model computes: transformers' tests load
-# models saved to a fresh temporary directory, a new ``_name_or_path`` in every run
-PROVENANCE_KEYS = frozenset({"_name_or_path", "_commit_hash", "name_or_path"})
+# models saved to a fresh temporary directory, a new ``_name_or_path`` in every run; diffusers
+# lists the entries left at their defaults in a set's order, another in every process
+PROVENANCE_KEYS = frozenset({"_name_or_path", "_commit_hash", "name_or_path", "_use_default_values"})
 ATTENTION_KEY = "_attn_implementation"  # in configuration_text: the attention implementations, private to transformers
 # module attributes that change nothing a model computes in eval mode without gradients
 INERT_WORDS = ("drop", "checkpointing")
@@ -29,19 +31,22 @@ PLAIN = (int, float, bool, str, type(None))  # module attributes read by value
 
 
 def configuration_text(module: Any) -> str:
-    """The ``config`` of a transformers or diffusers model as JSON text, without the
-    :data:`PROVENANCE_KEYS` of it or its sub-configurations, with the attention implementations
-    (private: its JSON leaves them out, yet an ``eager`` and an ``sdpa`` model trace other graphs);
-    '' when it has none."""
+    """The ``config`` of a transformers or diffusers model as JSON text with sorted keys, the same
+    in every process, without the :data:`PROVENANCE_KEYS` of it or its sub-configurations, with
+    transformers' attention implementations (private: its JSON leaves them out, yet an ``eager``
+    and an ``sdpa`` model trace other graphs); '' when it has none."""
     config = getattr(module, "config", None)
     if config is None:
         return ""
     to_json = getattr(config, "to_json_string", None)
     try:
-        if not callable(to_json):
+        if isinstance(config, Mapping):  # diffusers' FrozenDict
+            data = dict(config)
+        elif callable(to_json):
+            data = {**json.loads(to_json(use_diff=False)), ATTENTION_KEY: _attention_implementations(config)}
+        else:
             return repr(config)
-        data = _without_provenance(json.loads(to_json(use_diff=False)))
-        return json.dumps({**data, ATTENTION_KEY: _attention_implementations(config)}, sort_keys=True)
+        return json.dumps(_without_provenance(data), sort_keys=True, default=repr)
     except (TypeError, ValueError):
         return repr(config)
 

@@ -120,6 +120,61 @@ def test_a_rerun_on_the_export_cache_gives_the_first_runs_verdicts_without_expor
         "export cache hit: this trace failed at torch.export on an earlier run")
 
 
+CONFIGURED_AS_DIFFUSERS = '''
+import collections, pytest, torch
+from torch import nn
+
+
+class FrozenDict(collections.OrderedDict):
+    """diffusers' configuration: a mapping, with the entries left at their defaults listed in a
+    set's order (another order in a process with another hash seed)."""
+
+
+class Denoiser(nn.Module):
+    def __init__(self, channels=4, act_fn="silu", norm_groups=2):
+        super().__init__()
+        given = {"channels": channels}
+        defaults = {"act_fn": act_fn, "norm_groups": norm_groups, "dropout": 0.0, "layers": 1}
+        self.config = FrozenDict(**given, **defaults, _use_default_values=list(set(defaults)))
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = nn.GroupNorm(norm_groups, channels)
+
+    def forward(self, sample):
+        return self.norm(self.conv(sample))
+
+
+@pytest.fixture
+def denoiser():
+    return Denoiser().eval()
+
+
+@pytest.mark.observe_export("denoiser")
+@pytest.mark.parametrize("side", [8, 12])
+def test_keeps_the_latent_shape(denoiser, side):
+    assert denoiser(torch.randn(2, 4, side, side)).shape == (2, 4, side, side)
+'''
+
+
+def test_a_rerun_in_a_process_with_another_hash_seed_takes_a_diffusers_configured_model_from_the_cache(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A configuration is part of the export cache's keys: written the same in every process,
+    whatever order a set gave its lists, so that a rerun exports nothing again."""
+    pytester.makepyfile(test_denoiser=CONFIGURED_AS_DIFFUSERS)
+    reports = []
+    for seed in ("1", "2"):
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+        result = pytester.runpytest_subprocess("--export-check", "--export-examples=0", "--export-report=report.json",
+                                               "-p", "no:cacheprovider")
+        result.assert_outcomes(passed=3)
+        (model,) = json.loads((pytester.path / "report.json").read_text())["models"]
+        reports.append(model)
+    first, rerun = reports
+    assert first["dims"] == rerun["dims"] == {"sample": {"0": "batch", "2": "height", "3": "width"}}
+    (graph,) = rerun["graphs"]
+    assert graph["cache_hit"] and "torch.export" not in graph["timings"]
+
+
 def test_exit_code_zero_when_every_model_passes(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(models=MODELS, conftest=CONFTEST)
     pytester.makepyfile(test_ok=TEST_MARKED.split("@pytest.mark.observe_export(\"mlp\", name=\"mlp-failing-test\")")[0])
