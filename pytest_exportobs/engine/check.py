@@ -35,6 +35,7 @@ from .base.environment import EnvironmentProblem
 from .base.result import GraphResult, ModelResult
 from .base.settings import CheckSettings
 from .context import ModelContext
+from .export.digests import module_digest
 from .export.pipeline import Traced
 from .export.tracing_patches import TracingPatches
 from .graph import GraphCheck
@@ -77,10 +78,12 @@ def check_model(
 
 @dataclass
 class _Shared:
-    """What the check of one target hands the next: the references of each side's calls (by
-    the side's group) and the programs traced, by trace key."""
+    """What the check of one target hands the next: the references of each side's calls and the
+    digest of each side's module as the first check found it (by the side's group), the programs
+    traced, by trace key."""
 
     references: dict[int, Any] = field(default_factory=dict)
+    digests: dict[int, Any] = field(default_factory=dict)
     traces: dict[str, Traced] = field(default_factory=dict)
 
 
@@ -189,6 +192,7 @@ class _ModelCheck:
         unverified: list[str] = []
         with flattening_context(), _eval_no_grad(self.group.module):
             observations = list(self.group.recorder.observations)
+            self._take_digest()
             found = self._references(observations)
             self.result.model_notes.extend(found.left_out.values())
             kept = [[i for i in family if i not in found.left_out] for family in self.group.recorder.families()]
@@ -244,6 +248,15 @@ class _ModelCheck:
         self.result.model_notes.extend(n for n in joint.notes if n not in self.result.model_notes)
         return joint
 
+    def _take_digest(self) -> None:
+        """The module's digest as the tests left it, before the check's own calls (the export
+        cache's keys read it; one the module cannot give is read again at each key, and fails there)."""
+        if id(self.group) not in self.shared.digests and self.settings.use_cache:
+            try:
+                self.shared.digests[id(self.group)] = module_digest(self.group.module)
+            except Exception:
+                self.shared.digests[id(self.group)] = None
+
     def _references(self, observations: list[Any]) -> Any:
         found = self.shared.references.get(id(self.group))
         if found is None:
@@ -273,6 +286,7 @@ class _ModelCheck:
             model_dir=model_directory(self.settings.export_dir, self.group.name),
             observations=[observations[i] for i in family], references=[found.outputs[i] for i in family],
             quiet=self._quiet, progress=self.progress, ids=list(family),
+            module_digest=self.shared.digests.get(id(self.group)),
         )
 
     def _check_graphs(
@@ -300,8 +314,9 @@ class _ModelCheck:
             done.append(check)
             for split in split_off(joint.aligned, plan, check.split):
                 missing = ", ".join(sorted(plan.slots - split.slots))
-                split.name = ", ".join(filter(None, [plan.name, f"without {missing}"]))
-                check.result.name = check.result.name or f"with {missing}"
+                apart = check.apart or f"without {missing}"
+                split.name = ", ".join(filter(None, [plan.name, apart]))
+                check.result.name = check.result.name or ("" if check.apart else f"with {missing}")
                 queue.append(split)
         for check in done:
             check.result.renumber(context.ids)

@@ -43,6 +43,7 @@ class ModelContext:
     quiet: Callable[[Callable[[], T]], T]
     progress: Callable[[Stage, str], None]
     ids: list[int]  # per call here, its number among the model's recorded calls
+    module_digest: Any = None  # the module's, before the check called it (see ExportCache.module_digest)
     _float64: Float64Copy | None = field(default=None, init=False, repr=False)
 
     @property
