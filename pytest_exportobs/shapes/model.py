@@ -261,6 +261,13 @@ class ShapeModel:
                 sizes[relation.derived] = relation.size(sizes)
         return sizes
 
+    def broken(self, index: int) -> list[Relation]:
+        """The relations call ``index``'s recorded sizes break: a side of 40 where torch.export
+        restricted it to ``height = 16*height_div16``."""
+        known = {v.name: value for v in self.variables if (value := v.values[index]) is not None}
+        return [r for r in self.relations
+                if r.derived in known and all(t in known for t in r.terms) and r.size(known) != known[r.derived]]
+
     def _past_name(self) -> str:
         return next((v.name for v in self.variables if v.role == AxisRole.PAST_SEQ), "")
 

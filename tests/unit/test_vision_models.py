@@ -220,3 +220,34 @@ def test_guessed_sides_the_graph_serves_in_no_step_are_kept_static_with_the_fail
     unseen = torch.randn(4, 3, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(run_onnx(result.onnx_path, unseen), model(unseen), rtol=1e-4, atol=1e-5)
+
+
+def tiny_swin() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.SwinConfig(image_size=32, patch_size=2, embed_dim=16, depths=[1, 2], num_heads=[2, 4],
+                                     window_size=4, mlp_ratio=2.0, num_labels=3)
+    return transformers.SwinForImageClassification(config).eval()
+
+
+def test_calls_breaking_the_sides_torch_restricts_a_graph_to_get_a_graph_of_their_own(tmp_path: Path) -> None:
+    """Swin at 32 pads nothing to its 4-patch windows, at 40 it pads: torch.export traced at 32
+    restricts the sides to multiples of 16, which the ONNX file does not check.  The call at 40
+    gets a graph of its own instead of failing in onnxruntime's Reshape; each graph serves sizes
+    of its own padding class the tests never used."""
+    model = tiny_swin()
+    group = observed(model, (torch.randn(2, 3, 32, 32),), (torch.randn(3, 3, 32, 32),), (torch.randn(2, 3, 40, 40),))
+    result = check_model(group, settings(tmp_path, examples=4))
+    assert (result.verdict, result.stage) == ("passed", "variations"), result.reason
+    whole, apart = result.graphs
+    assert (whole.name, whole.calls, apart.name, apart.calls) == ("", [0, 1], "width=40, height=40", [2])
+    assert whole.relations == ["width = 16*width_div16", "height = 16*height_div16"]
+    assert whole.dims == apart.dims == {"pixel_values": {"0": "batch", "2": "height", "3": "width"}}
+    assert "calls [2] break width = 16*width_div16; height = 16*height_div16 (torch.export's restriction of this " \
+           "graph): checked on a graph of their own" in whole.notes
+    for graph, side in ((whole, 48), (apart, 56)):  # sizes no test used, in each graph's class
+        images = torch.randn(5, 3, side, side)
+        with torch.no_grad():
+            expected = model(images).logits
+        torch.testing.assert_close(run_onnx(graph.onnx_path, images), expected, atol=1e-4, rtol=1e-4)
