@@ -1,12 +1,13 @@
-"""P5: a suite of 6 tiny Llama models × 2 tests, checked serially, across two xdist workers, and
+"""P5: a suite of 12 tiny Llama models × 2 tests, checked serially, across two xdist workers, and
 in forked children two at a time.
 
 The suite is written to a temp dir: each model is a ``LlamaForCausalLM`` (2 layers, untrained,
-its own seed and hidden size, 48 to 88, so that no export is shared through the cache) behind a
-fixture, observed by two tests with ``@pytest.mark.observe_export`` that call it with
+its own seed and hidden size, 48, 56, 64..., so that no export is shared through the cache)
+behind a fixture, observed by two tests with ``@pytest.mark.observe_export`` that call it with
 ``input_ids`` and ``attention_mask`` of different batch and sequence sizes.  Every run is
-``python -m pytest --export-check --export-examples=0 -p no:cacheprovider`` on a fresh export
-directory (no cache), in a child process, wall time measured (the point is to use both cores).
+``python -m pytest --export-check --export-examples=3 -p no:cacheprovider`` on a fresh export
+directory (no cache), in a child process, wall time measured (the point is to use both cores);
+``--models`` and ``--examples`` size it otherwise.
 
 * xdist: ``-n 2`` against the serial run (target <= 0.65, and <= the machine's limit + 0.12).
 * jobs: ``--export-jobs 2`` against ``--export-jobs 1``, one process (target <= 0.65, and <=
@@ -42,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import PYTHON, child_env, emit, interleaved, log, run_child, verdict  # noqa: E402
 
 TARGET = 0.65
-MODELS = 6
 
 CONFTEST = '''
 import pytest, torch, transformers
@@ -52,13 +52,13 @@ def llama(seed, hidden):
     config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
     return transformers.LlamaForCausalLM(config).eval()
-''' + "".join(f'''
+'''
+FIXTURE = '''
 @pytest.fixture(scope="session")
 def llama_{i}():
-    return llama({i}, {48 + 8 * i})
-''' for i in range(MODELS))
-
-TESTS = "import pytest, torch\n" + "".join(f'''
+    return llama({i}, {hidden})
+'''
+TESTS = '''
 @pytest.mark.observe_export("llama_{i}")
 def test_llama_{i}_short(llama_{i}):
     ids = torch.randint(0, 100, (2, 5))
@@ -68,7 +68,15 @@ def test_llama_{i}_short(llama_{i}):
 def test_llama_{i}_long(llama_{i}):
     ids = torch.randint(0, 100, (3, 9))
     llama_{i}(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-''' for i in range(MODELS))
+'''
+
+
+def write_suite(directory: Path, models: int) -> None:
+    """The conftest (one fixture per model) and the tests (two per model)."""
+    (directory / "conftest.py").write_text(CONFTEST + "".join(FIXTURE.format(i=i, hidden=48 + 8 * i)
+                                                              for i in range(models)))
+    (directory / "test_models.py").write_text("import pytest, torch\n" + "".join(TESTS.format(i=i)
+                                                                                  for i in range(models)))
 
 TWIN = """
 import torch, transformers
@@ -92,12 +100,15 @@ for _ in range(2):
     torch.onnx.export(Logits(), (ids, torch.ones_like(ids)), dynamic_shapes=(dims, dims), dynamo=True, verbose=False)
 """
 
-CHECK = ["--export-check", "--export-examples=0", "--export-report=report.json"]
-SIDES = {
-    "serial": CHECK, "-n 2": [*CHECK, "-n", "2"],
-    "jobs 1": [*CHECK, "--export-jobs=1"], "jobs 2": [*CHECK, "--export-jobs=2"],
-    "no plugin serial": ["-p", "no:exportobs"], "no plugin -n 2": ["-p", "no:exportobs", "-n", "2"],
-}
+
+
+def sides(examples: int) -> dict[str, list[str]]:
+    """Each side's pytest options."""
+    check = ["--export-check", f"--export-examples={examples}", "--export-report=report.json"]
+    return {"serial": check, "-n 2": [*check, "-n", "2"],
+            "jobs 1": [*check, "--export-jobs=1"], "jobs 2": [*check, "--export-jobs=2"],
+            "no plugin serial": ["-p", "no:exportobs"], "no plugin -n 2": ["-p", "no:exportobs", "-n", "2"]}
+
 INI = "[pytest]\nmarkers =\n    observe_export: declared for the sessions without the plugin\n"
 
 
@@ -146,6 +157,7 @@ def twin_limit(reps: int) -> tuple[float, str]:
 
 def measure(
     directory: Path,
+    options: dict[str, list[str]],
     a: str,
     b: str,
     reps: int,
@@ -155,7 +167,7 @@ def measure(
     for rep, a_first in interleaved(reps):
         walls = {}
         for side in (a, b) if a_first else (b, a):
-            walls[side], checked = run_suite(directory, SIDES[side])
+            walls[side], checked = run_suite(directory, options[side])
             if checked:
                 verdicts[f"{side} #{rep}"] = checked
             log(f"P5 {side} #{rep}: {walls[side]:.1f}s")
@@ -180,28 +192,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--models", type=int, default=12, help="tiny Llama models, two tests each")
+    parser.add_argument("--examples", type=int, default=3, help="--export-examples: variations per graph")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     reps = args.reps or (1 if args.quick else 3)
+    options = sides(args.examples)
     directory = Path(tempfile.mkdtemp(prefix="exportobs-p5-"))
-    (directory / "conftest.py").write_text(CONFTEST)
-    (directory / "test_models.py").write_text(TESTS)
+    write_suite(directory, args.models)
     (directory / "pytest.ini").write_text(INI)
     try:
         verdicts: dict[str, dict[str, str]] = {}
         log("P5 warm-up (imports, .pyc)")
         run_suite(directory, [])
         limit, twin_walls = twin_limit(reps)
-        lines = [f"P5 limit twins side by side / one after the other = {limit:.2f}  ({twin_walls})"]
+        lines = [f"P5 {args.models} models x 2 tests, {args.examples} variations a graph; limit twins side by side / "
+                 f"one after the other = {limit:.2f}  ({twin_walls})"]
         margins = {"xdist": 0.12, "jobs": 0.08}
         checked = {}
         for name, (a, b) in {"xdist": ("serial", "-n 2"), "jobs": ("jobs 1", "jobs 2")}.items():
-            pairs = checked[name] = measure(directory, a, b, reps, verdicts)
+            pairs = checked[name] = measure(directory, options, a, b, reps, verdicts)
             ratio = statistics.median(new / old for new, old in pairs)
             walls = ", ".join(f"{old:.1f}s → {new:.1f}s" for new, old in pairs)
             lines.append(f"P5 {name:5s} {b} / {a} = {ratio:.2f}  ({walls})  {verdict(ratio, TARGET)}; "
                          f"limit + {margins[name]:.2f}: {verdict(ratio, round(limit + margins[name], 2))}")
-        lines += plugin_part(checked, measure(directory, "no plugin serial", "no plugin -n 2", reps, verdicts))
+        lines += plugin_part(checked, measure(directory, options, "no plugin serial", "no plugin -n 2", reps, verdicts))
         distinct = {json.dumps(v, sort_keys=True) for v in verdicts.values()}
         if len(distinct) != 1:
             raise SystemExit(f"P5: the verdicts differ between runs: {verdicts}")
