@@ -11,11 +11,13 @@ import contextlib
 import math
 import time
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..core.files import file_digest
 from ..core.trees import detached_clone
 from ..core.vocabulary import Kind, Runtime, Stage, Target, Verdict
 from ..observe.binding import value_text
@@ -35,10 +37,12 @@ from .export.probe import SizeProbe, probed_unvaried_dims
 from .graph_runtime import GraphEnded, GraphRunner, open_runner
 from .guesses import Refine, kept_static, moved_guesses, stepped
 from .planning import GraphPlan, choice
-from .verify.compare import OutputLayout, float64_note, padded_note, verify_calls
+from .verify.compare import Discrepancy, OutputLayout, float64_note, padded_note, verify_calls
 from .verify.references import Reproduction, refreshed, reproduction
 
 _FILES = {Target.ONNX: "model.onnx", Target.EXECUTORCH: "model.pte", Target.TORCH: "model.pt2"}
+VERIFIED_NOTE = ("verified as on an earlier run: the same ONNX file, runtime, inputs and references passed there "
+                 "(the export cache holds the comparisons), not run again")
 
 
 class GraphCheck:
@@ -53,6 +57,8 @@ class GraphCheck:
         self.apart = ""  # why calls were split off: "" (stand-ins), else the sizes a restriction excludes
         self.asserted: list[Any] = []  # conditions on sizes the program asserts, the ONNX file does not check
         self.program: torch.export.ExportedProgram | None = None  # as traced (None: from the export cache)
+        self.graph_file: Path | None = None  # the ONNX file the runner runs
+        self._graph_digest = ""
         self.upper_bounds: dict[str, UpperBound] = {}  # of the variables, where the target plans memory for them
         self.diagnosis = Diagnosis(context, self.result, directory)
         # a choice of structure torch restricts (see planning.by_choice): the plan is planned again by it
@@ -76,6 +82,8 @@ class GraphCheck:
         while True:
             outcome = self._export()
             self.program = outcome.program
+            onnx = context.target == Target.ONNX and outcome.onnx_path
+            self.graph_file, self._graph_digest = (Path(outcome.onnx_path) if onnx else None), ""
             self.runner = open_runner(self.context, self.result, outcome, self.shapes, self.plan.calls,
                                       self.upper_bounds, lambda: self.diagnosis.repro(self.shapes))
             self.layout = OutputLayout.of(outcome.outputs, self.shapes.aligned.leaf_names, outcome.output_order)
@@ -109,8 +117,7 @@ class GraphCheck:
             return False
         first = shapes.aligned.n_calls - len(calls)
         leaves = [shapes.call_leaves(first + i) for i in range(len(calls))]
-        found = self.context.quiet(lambda: verify_calls(
-            runner, leaves, [self.context.references[c] for c in calls], self.context.tolerance, self.layout))
+        found = self._compared(runner, leaves, [self.context.references[c] for c in calls])
         if not all(d.ok for d in found):
             return False
         self.result.calls.extend(calls)
@@ -170,7 +177,7 @@ class GraphCheck:
         leaves = [self.shapes.call_leaves(i) for i in served]
         references = [context.references[self.plan.calls[i]] for i in served]
         float64 = context.float64(self.shapes) if arbitrated else None
-        found = context.quiet(lambda: verify_calls(runner, leaves, references, context.tolerance, self.layout, float64))
+        found = self._compared(runner, leaves, references, float64)
         for d in found:  # numbered as the plan's calls
             d.index = served[d.index]
         result.timings[stage] = result.timings.get(stage, 0.0) + time.perf_counter() - begin
@@ -209,6 +216,26 @@ class GraphCheck:
                                    values=worst.kind == Kind.MISMATCH)
         self.diagnosis.repro(self.shapes, leaves[worst.index])
         raise GraphEnded
+
+    def _compared(self, runner: GraphRunner, leaves: list[list[Any]], references: list[list[Any]],
+                  float64: Any = None) -> list[Discrepancy]:
+        """The graph run on each call's ``leaves`` and compared with its reference; kept in the export
+        cache when all pass, and taken from it for the same ONNX file, runtime, leaves and references."""
+        context, cache = self.context, self._cache()
+        key = ""
+        if cache is not None and self.graph_file is not None and float64 is None and leaves:
+            self._graph_digest = self._graph_digest or file_digest(self.graph_file)
+            settings = {"tolerance": asdict(context.tolerance), "layout": repr(self.layout)}
+            key = cache.verified_key(self._graph_digest, str(self.result.runtime), leaves, references, settings)
+            if (stored := cache.load_verified(key)) is not None:
+                if VERIFIED_NOTE not in self.result.notes:
+                    self.result.notes.append(VERIFIED_NOTE)
+                return [Discrepancy.from_json(d) for d in stored]
+        found = context.quiet(lambda: verify_calls(runner, leaves, references, context.tolerance, self.layout, float64))
+        if cache is not None and key and all(d.ok for d in found):
+            with contextlib.suppress(OSError):  # a cache that cannot be written keeps nothing
+                cache.store_verified(key, [d.to_json() for d in found])
+        return found
 
     def _outside_restrictions(self) -> list[int]:
         """The calls of the plan whose sizes break a restriction torch.export put on the graph

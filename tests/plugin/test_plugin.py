@@ -113,6 +113,8 @@ def test_a_rerun_on_the_export_cache_gives_the_first_runs_verdicts_without_expor
         assert graph["cache_hit"] and not {"torch.export", "decompose", "variations"} & graph["timings"].keys()
         assert graph["variations"] == first[name]["graphs"][0]["variations"]
         assert any(note.startswith("variations: as explored on an earlier run") for note in graph["notes"])
+        assert any(note.startswith("verified as on an earlier run") for note in graph["notes"])
+        assert graph["discrepancies"] == first[name]["graphs"][0]["discrepancies"]
     assert rerun["Branchy"]["reason"] == first["Branchy"]["reason"]
     (failed,) = rerun["Branchy"]["graphs"]
     assert (failed["verdict"], failed["stage"], failed["cache_hit"]) == ("failed", "torch.export", True)

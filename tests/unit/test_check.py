@@ -1930,3 +1930,20 @@ def test_a_first_check_expects_its_rerun_without_the_stages_the_cache_serves() -
     assert expected_rerun_seconds(passed, 8.0) == pytest.approx(0.4)
     failed = ModelResult(name="m", verdict="failed", graphs=[GraphResult(name="", verdict="failed", timings=timings)])
     assert expected_rerun_seconds(failed, 8.0) == pytest.approx(1.9)
+
+
+def test_a_rerun_takes_the_comparisons_of_the_same_file_inputs_and_references_from_the_cache(tmp_path: Path) -> None:
+    """The comparisons of an unchanged graph with unchanged calls and references are kept with
+    the export cache; other weights (another file, other references) are run and compared again."""
+    calls = [(torch.randn(2, 8),), (torch.randn(5, 8),)]
+    results = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        results.append(check_model(observed(MLP().eval(), *calls), settings(tmp_path, use_cache=True)))
+    first, rerun, reseeded = (result.graphs[0] for result in results)
+    assert [r.verdict for r in results] == ["passed", "passed", "passed"]
+    assert [any(n.startswith("verified as on an earlier run") for n in g.notes) for g in (first, rerun, reseeded)] \
+        == [False, True, False]
+    assert rerun.discrepancies == first.discrepancies and rerun.cache_hit
+    assert [d["ok"] for d in reseeded.discrepancies] == [True, True]
+    assert len(list((tmp_path / "cache").glob("verified-*.json"))) == 2

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,7 +147,7 @@ class GraphHit:
 @dataclass(frozen=True)
 class ExportCache:
     """A directory of ``trace-<key>.json``, ``graph-<key>.{json,onnx}``, ``lowered-<key>.{json,pte}``,
-    ``explored-<key>.json``,
+    ``explored-<key>.json``, ``verified-<key>.json``,
     ``probed-<key>.json`` and ``check-<key>.json`` entries; ``extra`` (the export patches) is part
     of every key."""
 
@@ -250,6 +250,31 @@ class ExportCache:
 
     def store_probe(self, key: str, entry: ProbeEntry) -> None:
         self._write(f"probed-{key}.json", asdict(entry))
+
+    def verified_key(self, graph: str, runtime: str, calls: Iterable[Sequence[Any]],
+                     references: Iterable[Sequence[Any]], settings: object) -> str:
+        """Hash of what comparing a graph's runs with their references gives: the ``graph``
+        file's digest, the ``runtime`` running it, each call's leaves and reference (their
+        values), the comparison's JSON-native ``settings``, package versions, the plugin's code,
+        patches and :data:`ENTRY_FORMAT`."""
+        digest = hashlib.sha256(f"{graph}:{runtime}".encode())
+        for leaves, reference in zip(calls, references, strict=True):
+            for value in (*leaves, "|", *reference, "||"):
+                if isinstance(value, torch.Tensor):
+                    digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+                    digest.update(tensor_bytes(value))
+                else:
+                    digest.update(value_text(value).encode())
+        digest.update(json.dumps(settings, sort_keys=True, default=repr).encode())
+        self._common(digest)
+        return digest.hexdigest()[:32]
+
+    def load_verified(self, key: str) -> list[dict[str, Any]] | None:
+        found = self._read(f"verified-{key}.json")
+        return found if isinstance(found, list) else None
+
+    def store_verified(self, key: str, found: list[dict[str, Any]]) -> None:
+        self._write(f"verified-{key}.json", found)
 
     def holds_traces(self) -> bool:
         """Whether an earlier run stored traces here (a rerun: most exports will be served)."""

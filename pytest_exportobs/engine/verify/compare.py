@@ -85,6 +85,16 @@ class Discrepancy:
         values = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Discrepancy:
+        """What :meth:`to_json` wrote (``None`` differences are infinite again)."""
+        values: dict[str, Any] = {k: (math.inf if v is None and k in _DIFFERENCES else v) for k, v in data.items()}
+        values["kind"] = Kind(values["kind"]) if values.get("kind") else None
+        return cls(**values)
+
+
+_DIFFERENCES = ("max_abs", "max_rel", "padded_max_abs")  # the float fields of a Discrepancy
+
 
 def compare(
     actual: Sequence[Any], expected: Sequence[torch.Tensor | None], tolerance: Tolerance, index: int = 0,
@@ -167,25 +177,30 @@ def _accumulate(
         return
     atol, rtol = tolerance.for_dtype(dtype)
     ref64 = ref.detach().to(torch.float64)
-    delta = (got.detach().to(torch.float64) - ref64).abs()
-    delta = torch.where(torch.isnan(delta) & ~torch.isnan(ref64), torch.full_like(delta, math.inf), delta)
-    delta = torch.nan_to_num(delta, nan=0.0)  # NaN in both: equal
-    scale = float(torch.nan_to_num(ref64.abs(), nan=0.0, posinf=0.0).max())
+    magnitude = ref64.abs()
+    delta = (got.detach().to(torch.float64) - ref64).abs_()
+    if bool(torch.isnan(delta).any()):  # NaN in both: equal; NaN in one: infinitely off
+        delta = torch.where(torch.isnan(delta) & ~torch.isnan(ref64), torch.full_like(delta, math.inf), delta)
+        delta = torch.nan_to_num(delta, nan=0.0)
+    scale = float(magnitude.max())
+    if not math.isfinite(scale):
+        scale = float(torch.nan_to_num(magnitude, nan=0.0, posinf=0.0).max())
     rounding = max(SCALE_FRACTION * rtol * scale, last_place(scale, dtype)) if rtol else 0.0
-    beyond = delta > max(atol, rounding) + rtol * ref64.abs()
+    beyond = delta > magnitude.mul(rtol).add_(max(atol, rounding))
     if padded is not None and bool((beyond & padded).any()):
         result.n_padded += int((beyond & padded).sum())
         result.padded_max_abs = max(result.padded_max_abs, float(delta[beyond & padded].max()))
         beyond, delta = beyond & ~padded, torch.where(padded, torch.zeros_like(delta), delta)
     result.n_values += delta.numel()
-    result.n_beyond += int(beyond.sum())
+    n_beyond = int(beyond.sum())
+    result.n_beyond += n_beyond
     result.max_abs = max(result.max_abs, float(delta.max()))
-    result.max_rel = max(result.max_rel, float((delta / (ref64.abs() + EPS)).max()))
-    if bool(beyond.any()) and float(delta[beyond].max()) > result._worst_delta:
+    result.max_rel = max(result.max_rel, float((delta / magnitude.add_(EPS)).max()))
+    if n_beyond and float(delta[beyond].max()) > result._worst_delta:
         result.worst, result._worst_delta = f"{name} (atol={atol:g}, rtol={rtol:g})", float(delta[beyond].max())
     buckets = torch.bucketize(delta, torch.tensor(HISTOGRAM_EDGES, dtype=torch.float64))
-    for bucket, count in enumerate(torch.bincount(buckets.flatten(), minlength=len(HISTOGRAM_EDGES) + 1)):
-        result.histogram[bucket] += int(count)
+    counts = torch.bincount(buckets.flatten(), minlength=len(HISTOGRAM_EDGES) + 1).tolist()
+    result.histogram = [total + count for total, count in zip(result.histogram, counts)]
 
 
 @dataclass(frozen=True)
