@@ -313,10 +313,9 @@ class _ModelCheck:
                 continue
             done.append(check)
             for split in split_off(joint.aligned, plan, check.split):
-                missing = ", ".join(sorted(plan.slots - split.slots))
-                apart = check.apart or f"without {missing}"
-                split.name = ", ".join(filter(None, [plan.name, apart]))
-                check.result.name = check.result.name or ("" if check.apart else f"with {missing}")
+                missing = ", ".join(sorted(plan.slots - split.slots))  # none: outside a restriction
+                split.name = ", ".join(filter(None, [plan.name, f"without {missing}" if missing else check.apart]))
+                check.result.name = check.result.name or (f"with {missing}" if missing else "")
                 queue.append(split)
         for check in done:
             check.result.renumber(context.ids)

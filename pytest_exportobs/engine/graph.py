@@ -54,7 +54,7 @@ class GraphCheck:
         self.runner: GraphRunner | None = None
         self.layout = OutputLayout()
         self.split: list[int] = []  # model call indices to move to a graph of their own
-        self.apart = ""  # why calls were split off: "" (stand-ins), else the sizes a restriction excludes
+        self.apart = ""  # the sizes of calls split off because a restriction excludes them
         self.asserted: list[Any] = []  # conditions on sizes the program asserts, the ONNX file does not check
         self.program: torch.export.ExportedProgram | None = None  # as traced (None: from the export cache)
         self.graph_file: Path | None = None  # the ONNX file the runner runs
@@ -184,7 +184,7 @@ class GraphCheck:
         call_ids = [context.ids[c] for c in self.plan.calls]
         result.notes.extend(note for note in (padded_note(found, call_ids), float64_note(found, call_ids)) if note)
         stood_in = {i for i in range(len(self.plan.calls)) if None in self.shapes.aligned.calls[i]}
-        self.split = [self.plan.calls[i] for i in outside] or [
+        self.split = [self.plan.calls[i] for i in outside] + [
             self.plan.calls[d.index] for d in found if not d.ok and d.index in stood_in]
         result.calls = [c for c in result.calls if c not in self.split]
         kept = [d for d in found if self.plan.calls[d.index] not in self.split]
@@ -248,9 +248,9 @@ class GraphCheck:
         first, broken = next(iter(outside.items()))
         sizes = self.shapes.sizes_at(first)
         self.apart = ", ".join(f"{r.derived}={sizes[r.derived]}" for r in broken)
-        calls = [self.context.ids[self.plan.calls[i]] for i in outside]
-        self.result.notes.append(f"calls {calls} break {'; '.join(str(r) for r in broken)} (torch.export's restriction "
-                                 f"of this graph): checked on a graph of their own")
+        note = (f"calls {[self.context.ids[self.plan.calls[i]] for i in outside]} break {'; '.join(map(str, broken))} "
+                "(torch.export's restriction of this graph): checked on a graph of their own")
+        self.result.notes.extend([note] if note not in self.result.notes else [])  # once, verified again or not
         return list(outside)
 
     def _excluded_choice(self, failing: list[int]) -> bool:
