@@ -39,6 +39,15 @@ def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "400")
 
 
+@pytest.fixture(autouse=True)
+def checks_at_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytester sessions check their models at the end only: a check begun during the tests
+    (``--export-overlap auto``) serves the end's from the cache when it finishes in time, which
+    would make a first run's report depend on timing.  ``tests/plugin/test_overlap.py`` asks
+    for it on its command lines, which come after these options."""
+    monkeypatch.setenv("PYTEST_ADDOPTS", "--export-overlap=off")
+
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     """A 2-layer LlamaForCausalLM with random weights (no download), in eval mode."""

@@ -41,7 +41,7 @@ from .verify.compare import Discrepancy, OutputLayout, float64_note, padded_note
 from .verify.references import Reproduction, refreshed, reproduction
 
 _FILES = {Target.ONNX: "model.onnx", Target.EXECUTORCH: "model.pte", Target.TORCH: "model.pt2"}
-VERIFIED_NOTE = ("verified as on an earlier run: the same ONNX file, runtime, inputs and references passed there "
+VERIFIED_NOTE = ("verified as on an earlier check: the same ONNX file, runtime, inputs and references passed there "
                  "(the export cache holds the comparisons), not run again")
 
 
@@ -327,7 +327,7 @@ class GraphCheck:
             result.variations = earlier.to_json()
             what = "failing on sizes of dims the tests never varied" if earlier.failed else \
                 f"{earlier.valid} examples passed"
-            result.notes.append(f"variations: as explored on an earlier run of this trace ({what}), not again (the "
+            result.notes.append(f"variations: as explored on an earlier check of this trace ({what}), not again (the "
                                 "export cache holds the outcome)")
             return earlier
         begin = time.perf_counter()

@@ -39,7 +39,7 @@ IN_PROCESS_BYTES = 64 << 20  # the weights of a model checked in process, at mos
 # passed or failed, the variations of a passed check
 _EXPORT_STAGES = (Stage.TORCH_EXPORT, Stage.DECOMPOSE, Stage.ONNX_TRANSLATE, Stage.ONNX_CHECKER)
 # settings that decide where the files go or how long a check may take, not what it does
-_PLACEMENT_ONLY = ("export_dir", "use_cache", "timeout")
+_PLACEMENT_ONLY = ("export_dir", "cache_root", "use_cache", "timeout")
 
 
 class CheckCosts:

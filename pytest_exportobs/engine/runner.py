@@ -20,15 +20,15 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from ..core.vocabulary import Kind, Stage, Verdict
+from ..core.vocabulary import Kind, Stage, Target, Verdict
 from ..observe.store import ModelGroup
 from .base.result import ModelResult
 from .base.settings import CheckSettings
 from .check import check_model, settled
 from .children import Child, Progress, ended, interrupted, timed_out, unfinished
 from .explore.variations import prepare_variations
-from .export.cache import ExportCache
 from .export.pipeline import prepare
+from .export.warmup import warm_up
 from .limits import ModelTimeout, time_limit
 from .placement import CheckCosts, place
 from .spilled import SpilledWeights, return_free_memory
@@ -64,7 +64,9 @@ def check_all(
     trackers = {id(g): Progress(f"exportobs [{i}/{total}] {g.name}", progress) for i, g in enumerate(ordered, first)}
     cores = _Cores(torch.get_num_threads() if threads is None else threads * jobs, jobs)
     if placed.forked or jobs > 1 and len(placed.in_process) >= _HELPED:
-        phase = _forked_phase(placed.forked, placed.in_process, settings, trackers, jobs, cores)
+        # a check with no record of a former one exports (a first run's, or a model changed since)
+        translating = not settings.use_cache or any(costs.recorded(g) is None for g in placed.forked)
+        phase = _forked_phase(placed.forked, placed.in_process, settings, trackers, jobs, cores, translating)
     else:
         phase = _in_process_phase(placed.in_process, settings, trackers, cores.threads(0))
     yield from _recorded(phase, ordered, trackers, costs)
@@ -96,20 +98,22 @@ def _recorded(
 
 def _forked_phase(
     groups: list[ModelGroup], in_process: list[ModelGroup], settings: CheckSettings, trackers: dict[int, Progress],
-    jobs: int, cores: _Cores,
+    jobs: int, cores: _Cores, translating: bool,
 ) -> Iterator[ModelResult]:
     """The forked checks, their weights spilled to disk meanwhile, and the checks ``in_process``
-    in this process while they run (half of them in a forked helper, when enough are left)."""
+    in this process while they run (half of them in a forked helper, when enough are left);
+    ``translating``: some of them are expected to translate graphs (not served by the cache)."""
     spilled = None
     try:
         spilled = SpilledWeights.spill(groups, settings.export_dir)  # first: the imports grow a smaller heap
         return_free_memory()
         # once for every child (in turn, the first export imports; a rerun the cache serves needs
         # no registry, and its variations come from the cache)
-        translating = not settings.use_cache or not ExportCache(settings.cache_dir).holds_traces()
         prepare(settings.targets, translating)
         if translating:
             prepare_variations(settings.hypothesis_dir)
+            if Target.ONNX in settings.targets and len(groups) >= _WARMED:
+                warm_up()
     except KeyboardInterrupt:
         if spilled is not None:
             spilled.remove()
@@ -191,6 +195,10 @@ class _Here:
         torch.set_num_threads(self.cores.threads(children))
         return self.checks.pop(0)
 
+
+# the forked checks at least for a warm-up in the parent (about 2 s) to save the children more
+# than it costs (about 0.5 s each, two children at once)
+_WARMED = 8
 
 # the checks in process left at least, for half of them to go to a forked helper when no check
 # waits to be forked: a fork costs about what two such checks do (timm's rerun)

@@ -15,6 +15,7 @@ from ..core.vocabulary import Target
 from ..engine.base.settings import DIM_MODES, CheckSettings
 
 TARGETS = tuple(target.value for target in Target)
+OVERLAP_MODES = ("auto", "off")
 EXECUTORCH_EXTRA = "pytest-exportobs[executorch]"
 
 
@@ -61,6 +62,10 @@ SETTINGS = (
             kind="flag", default=False),
     Setting("export_jobs", "check N models at once, each in a forked process; auto = the usable cores (shared "
             "among xdist workers) (default: auto)", default="auto", metavar="N"),
+    Setting("export_overlap", "auto: while the tests run, check the models whose calls have settled on a core "
+            "the tests leave idle (one process at the lowest priority, filling the export cache that the check "
+            "at the end reads; without xdist workers and with 2 cores or more); off: check only at the end "
+            "(default: auto)", default="auto", choices=OVERLAP_MODES),
     Setting("export_timeout", "time limit of each model's check in seconds: beyond it the model fails with "
             "kind timeout (default: none)", metavar="SECONDS"),
     Setting("export_observe", "observe every instance of this torch.nn.Module class (dotted path; subclasses "
@@ -116,6 +121,7 @@ class Options:
     isolate: bool
     jobs: int
     threads: int  # torch threads of each check: the process's share of the cores, per job
+    overlap: bool  # models checked during the tests on an idle core (by a session without xdist workers)
     check: CheckSettings
     observe: tuple[str, ...] = ()  # dotted paths of classes whose called instances are observed
     observe_exclude: tuple[str, ...] = ()  # fnmatch patterns of node ids and class names not observed
@@ -140,6 +146,8 @@ class Options:
             isolate=read(config, "export_isolate"),
             jobs=jobs,
             threads=max(1, _share_of_cores(config) // jobs),
+            overlap=_choice(read(config, "export_overlap"), "export_overlap", OVERLAP_MODES) == "auto"
+            and _share_of_cores(config) > 1,
             check=CheckSettings(
                 export_dir=_path(config, "export_dir") or config.rootpath / ".exportobs",
                 targets=_targets(read(config, "export_target") or Target.ONNX.value),

@@ -51,14 +51,34 @@ def _check(
 
 
 class LocalRole(Observing, Concluding):
-    """The only process of the session."""
+    """The only process of the session; with ``--export-overlap auto`` it checks the models whose
+    calls have settled while the tests run, on the core they leave (:mod:`..engine.early`)."""
 
     def __init__(self, config: pytest.Config, options: Options):
         Observing.__init__(self, options)
         Concluding.__init__(self, config, options)
+        self.early: Any = None  # the EarlyChecks, once a model is observed (torch is imported then)
+
+    def pytest_runtest_logfinish(self) -> None:
+        super().pytest_runtest_logfinish()
+        if self._store is not None and self.options.overlap:
+            if self.early is None:
+                from ..engine.early import EarlyChecks
+
+                self.early = EarlyChecks(self.options.check)
+            self.early.after_test(self._store.groups.values())
+
+    def pytest_unconfigure(self) -> None:
+        if self.early is not None:  # a session ended before its finish (an internal error)
+            self.early.stop()
 
     @pytest.hookimpl(tryfirst=True)  # before junitxml writes its file in its own sessionfinish
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.early is not None:
+            self.early.stop()
+            if self.early.checked:
+                self.notes.append(f"exportobs: the checks of {self.early.checked} model(s) began while the tests "
+                                  "ran (--export-overlap), for the export cache")
         self.stop_observing()
         for result in _check(session, self.groups(), self.options, progress_writer(self.config)):
             self.results[result.name] = result

@@ -112,14 +112,14 @@ def test_a_rerun_on_the_export_cache_gives_the_first_runs_verdicts_without_expor
         (graph,) = rerun[name]["graphs"]
         assert graph["cache_hit"] and not {"torch.export", "decompose", "variations"} & graph["timings"].keys()
         assert graph["variations"] == first[name]["graphs"][0]["variations"]
-        assert any(note.startswith("variations: as explored on an earlier run") for note in graph["notes"])
-        assert any(note.startswith("verified as on an earlier run") for note in graph["notes"])
+        assert any(note.startswith("variations: as explored on an earlier check") for note in graph["notes"])
+        assert any(note.startswith("verified as on an earlier check") for note in graph["notes"])
         assert graph["discrepancies"] == first[name]["graphs"][0]["discrepancies"]
     assert rerun["Branchy"]["reason"] == first["Branchy"]["reason"]
     (failed,) = rerun["Branchy"]["graphs"]
     assert (failed["verdict"], failed["stage"], failed["cache_hit"]) == ("failed", "torch.export", True)
     assert "torch.export" not in failed["timings"] and failed["notes"][-1].startswith(
-        "export cache hit: this trace failed at torch.export on an earlier run")
+        "export cache hit: this trace failed at torch.export on an earlier check")
 
 
 CONFIGURED_AS_DIFFUSERS = '''
@@ -240,6 +240,29 @@ def test_nothing_happens_without_the_flag(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=2)
     assert json.loads((pytester.path / "loaded.json").read_text()) == LOADED_WITHOUT_CHECK
     assert not (pytester.path / ".exportobs").exists()
+
+
+SYMPY_CACHE_TEST = '''
+import os
+
+def test_sympy_cache_size():
+    import sympy.core.cache
+    assert sympy.core.cache.SYMPY_CACHE_SIZE == int(os.environ["EXPECTED"])
+'''
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--export-check"], "10000"),  # torch.export evaluates the same symbolic sizes over and over
+    ([], "1000"),  # sympy's own default: the plugin changes nothing without the check
+    (["-o", "export_check=true"], "10000"),
+], ids=["check", "no-check", "ini"])
+def test_sympy_keeps_more_of_torch_exports_expressions_when_models_are_checked(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, args: list[str], expected: str,
+) -> None:
+    monkeypatch.delenv("SYMPY_CACHE_SIZE", raising=False)
+    monkeypatch.setenv("EXPECTED", expected)
+    pytester.makepyfile(test_sympy=SYMPY_CACHE_TEST)
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", *args).assert_outcomes(passed=1)
 
 
 def test_loading_the_plugin_imports_no_heavy_module() -> None:

@@ -187,7 +187,7 @@ def test_a_rerun_does_not_explore_again_the_variations_its_trace_passed(tmp_path
     assert "variations" not in again.graphs[0].timings
     assert again.graphs[0].variations == first.graphs[0].variations
     valid = first.graphs[0].variations["valid"]
-    assert (f"variations: as explored on an earlier run of this trace ({valid} examples passed), not again (the "
+    assert (f"variations: as explored on an earlier check of this trace ({valid} examples passed), not again (the "
             "export cache holds the outcome)") in again.notes
     more = check_model(group, CheckSettings(export_dir=tmp_path, examples=7))
     assert more.cache_hit and "variations" in more.graphs[0].timings
@@ -320,7 +320,7 @@ def test_a_line_that_pins_every_size_stops_the_retraces_and_a_rerun_fails_alike_
     assert (again.verdict, again.stage, again.kind, again.reason, again.dims, again.cache_hit) == (
         first.verdict, first.stage, first.kind, first.reason, first.dims, True)
     assert again.graphs[0].traceback == first.graphs[0].traceback
-    assert again.notes == [*first.notes, "export cache hit: this trace failed at torch.export on an earlier run "
+    assert again.notes == [*first.notes, "export cache hit: this trace failed at torch.export on an earlier check "
                                          "with nothing it depends on changed since, not exported again"]
 
 
@@ -1942,7 +1942,7 @@ def test_a_rerun_takes_the_comparisons_of_the_same_file_inputs_and_references_fr
         results.append(check_model(observed(MLP().eval(), *calls), settings(tmp_path, use_cache=True)))
     first, rerun, reseeded = (result.graphs[0] for result in results)
     assert [r.verdict for r in results] == ["passed", "passed", "passed"]
-    assert [any(n.startswith("verified as on an earlier run") for n in g.notes) for g in (first, rerun, reseeded)] \
+    assert [any(n.startswith("verified as on an earlier check") for n in g.notes) for g in (first, rerun, reseeded)] \
         == [False, True, False]
     assert rerun.discrepancies == first.discrepancies and rerun.cache_hit
     assert [d["ok"] for d in reseeded.discrepancies] == [True, True]

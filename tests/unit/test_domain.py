@@ -125,3 +125,31 @@ def test_a_condition_sympy_cannot_decide_at_some_sizes_excludes_none_of_them() -
     assert satisfied([frames], {"frames": 3}) and not satisfied([frames], {"frames": 4})
     assert satisfied([frames], {"frames": 0})  # 6 // 0: undecided, not a size outside the domain
     assert satisfied([frames], {"batch": 4})  # a condition on a variable the sizes lack
+
+
+def _sympy_holds(condition: sympy.Basic, sizes: dict[str, int]) -> bool:
+    """What sympy makes of ``condition`` at ``sizes`` (an undecided one excludes nothing)."""
+    try:
+        return bool(condition.xreplace({v: sympy.Integer(sizes[str(v)]) for v in condition.free_symbols}))
+    except (TypeError, ZeroDivisionError):
+        return True
+
+
+@pytest.mark.parametrize("tree", [
+    ["Equality", ["Mul", ["FloorDiv", ["Symbol", "height"], 5], ["FloorDiv", ["Symbol", "width"], 5]], 16],
+    ["And", ["GreaterThan", ["FloorDiv", ["Add", ["Symbol", "height"], -1], 4], 7],
+     ["GreaterThan", ["Symbol", "width"], 29]],
+    ["Equality", ["Mod", ["Symbol", "height"], 16], 0],
+    ["Equality", ["PythonMod", ["Add", ["Symbol", "width"], -3], 7], 0],
+    ["Or", ["Equality", ["Symbol", "height"], ["Symbol", "width"]],
+     ["StrictLessThan", ["Max", ["Symbol", "height"], 9], 12]],
+    ["Unequality", ["Pow", ["Symbol", "height"], 2], 256],
+    ["Not", ["Equality", ["CleanDiv", ["Mul", 4, ["Symbol", "width"]], 4], 3]],
+    ["Equality", ["FloorDiv", 6, ["Symbol", "width"]], 2],
+], ids=["patch-grid", "bounds", "multiple", "python-mod", "or-max", "power", "not-clean-div", "divided-by-size"])
+def test_a_condition_computed_on_integers_says_what_sympy_says_at_every_size(tree: list) -> None:
+    condition = _condition(json.dumps(tree))
+    for height in range(0, 40):
+        for width in (0, 1, 3, 5, 12, 29, 30, 31, 35):
+            sizes = {"height": height, "width": width}
+            assert satisfied([condition], sizes) == _sympy_holds(condition, sizes), sizes

@@ -112,7 +112,7 @@ def test_a_rerun_keeps_the_guessed_sides_in_steps_without_varying_them_again(tmp
     stepped = [n for n in first.notes if " in multiples of 2: " in n]
     assert stepped and [n for n in rerun.notes if " in multiples of 2: " in n] == stepped
     assert "variations" in first.graphs[0].timings and "variations" not in rerun.graphs[0].timings
-    assert "variations: as explored on an earlier run of this trace (failing on sizes of dims the tests never " \
+    assert "variations: as explored on an earlier check of this trace (failing on sizes of dims the tests never " \
            "varied), not again (the export cache holds the outcome)" in rerun.notes
     assert not list(tmp_path.rglob("repro*.py"))  # the failure withdrawn: no repro written
 

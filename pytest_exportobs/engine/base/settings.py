@@ -21,7 +21,8 @@ class CheckSettings:
     ``dims`` ``roles`` makes dynamic the dims whose role demands it (batch, sequence, cache and
     encoder lengths) besides the ones the tests vary, ``observed`` only the latter;
     ``patches`` are dotted paths to context-manager factories entered around export and
-    verification; ``use_cache`` reads and writes the export cache under ``export_dir``;
+    verification; ``use_cache`` reads and writes the export cache under ``export_dir`` (under
+    ``cache_root`` when given: checks made during the tests write their files elsewhere);
     ``timeout`` limits each model's check to that many seconds (``None``: no limit).
     """
 
@@ -35,11 +36,12 @@ class CheckSettings:
     use_cache: bool = True
     dims: str = "roles"
     timeout: float | None = None
+    cache_root: Path | None = None
 
     @property
     def cache_dir(self) -> Path:
         """The export cache's directory (``cache`` is no model's: see :mod:`..core.paths`)."""
-        return self.export_dir / "cache"
+        return self.cache_root or self.export_dir / "cache"
 
     @property
     def hypothesis_dir(self) -> Path:

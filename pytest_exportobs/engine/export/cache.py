@@ -276,10 +276,6 @@ class ExportCache:
     def store_verified(self, key: str, found: list[dict[str, Any]]) -> None:
         self._write(f"verified-{key}.json", found)
 
-    def holds_traces(self) -> bool:
-        """Whether an earlier run stored traces here (a rerun: most exports will be served)."""
-        return self.directory.is_dir() and any(self.directory.glob("trace-*.json"))
-
     def load_trace(self, key: str) -> TraceEntry | None:
         try:
             return _trace_entry(self._read(f"trace-{key}.json"))

@@ -26,6 +26,7 @@ from ...core.vocabulary import RefinementKind
 from ...shapes.dims import Axis, Relation, Variable
 from ...shapes.model import ShapeModel
 from ...shapes.synthesis import complete_sizes, free_variables
+from .integers import holds
 
 Shape = tuple[Any, ...]  # per axis: an int (static) or a sympy expression / ONNX dim name
 SAMPLES = 64  # draws of the free sizes a runtime assert must break once to be kept as a condition
@@ -271,16 +272,7 @@ def conditions(found: Sequence[Refinement]) -> list[sympy.Basic]:
 
 def satisfied(conditions: Sequence[sympy.Basic], sizes: Mapping[str, int]) -> bool:
     """Whether ``sizes`` (per variable) meet every condition (one on a variable ``sizes`` lacks counts as met)."""
-    return all(_holds(c, sizes) for c in conditions if {str(s) for s in c.free_symbols} <= sizes.keys())
-
-
-def _holds(condition: sympy.Basic, sizes: Mapping[str, int]) -> bool:
-    """Whether ``sizes`` meet ``condition``; one sympy cannot decide (a division by a size of 0)
-    excludes nothing."""
-    try:
-        return bool(condition.xreplace({s: sympy.Integer(sizes[str(s)]) for s in condition.free_symbols}))
-    except (TypeError, ZeroDivisionError):
-        return True
+    return all(holds(c, sizes) for c in conditions if {str(s) for s in c.free_symbols} <= sizes.keys())
 
 
 def _tree(expr: sympy.Basic) -> Any:

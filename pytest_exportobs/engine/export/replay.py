@@ -35,7 +35,7 @@ def failed_as_before(entry: TraceEntry, failure: ExportFailure, shapes: ShapeMod
     outcome.stage, outcome.kind, outcome.error_type = failure.stage, failure.kind, failure.error_type
     outcome.reason, outcome.traceback, outcome.pinned = failure.reason, failure.traceback, failure.pinned
     restore(entry, shapes, outcome)
-    outcome.notes = [*entry.notes, f"export cache hit: this trace failed at {failure.stage} on an earlier run with "
+    outcome.notes = [*entry.notes, f"export cache hit: this trace failed at {failure.stage} on an earlier check with "
                                    "nothing it depends on changed since, not exported again"]
 
 
