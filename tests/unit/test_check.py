@@ -586,7 +586,11 @@ def test_batch_one_only_with_forced_batch_runs_at_batch_three_in_ort(tmp_path: P
     result = check_model(group, settings(tmp_path))
     assert (result.verdict, result.dims) == ("passed", {"x": {"0": "batch"}})
     x = torch.randn(3, 8)
-    torch.testing.assert_close(torch.from_numpy(OnnxRunner(Path(result.onnx_path))([x])[0]), group.module(x))
+    runner = OnnxRunner(Path(result.onnx_path))
+    torch.testing.assert_close(torch.from_numpy(runner([x])[0]), group.module(x))
+    # the session keeps no memory arena: a check holds its graphs' sessions open, each arena the
+    # size of its largest variation
+    assert not runner.session.get_session_options().enable_cpu_mem_arena
 
 
 PATCH_LOG: list[str] = []
