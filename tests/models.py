@@ -15,6 +15,16 @@ import torch
 SOURCE = Path(__file__).read_text()
 # a plugin session's quickest full check: to torch.export and back, no hypothesis variations
 QUICK_CHECK = ("--export-check", "--export-target=torch", "--export-examples=0", "-p", "no:cacheprovider")
+# a plugin project's conftest: the fixture ``mlp``, an MLP of seeded weights (the same in every test)
+MLP_CONFTEST = '''
+import pytest, torch
+from models import MLP
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return MLP().eval()
+'''
 # what loading the plugin imports of it in a session without --export-check: small, torch-free modules
 LOADED_WITHOUT_CHECK = [
     "pytest_exportobs", "pytest_exportobs.core", "pytest_exportobs.core.vocabulary",  # --export-target's words

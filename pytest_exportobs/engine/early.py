@@ -59,7 +59,7 @@ class EarlyChecks:
         if not ready or self.child is not None and self.child.is_alive():
             return
         for group in ready:
-            self.handed[id(group)] = group.recorder.num_obs()
+            self.handed[id(group)] = self.calls[id(group)]
         to_check = [group for group in ready if settled(group) is None]  # nothing to export: nothing to prepare
         if to_check:
             self._start(to_check)

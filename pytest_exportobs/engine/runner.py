@@ -196,8 +196,8 @@ class _Here:
         return self.checks.pop(0)
 
 
-# the forked checks at least for a warm-up in the parent (about 2 s) to save the children more
-# than it costs (about 0.5 s each, two children at once)
+# the forked checks at least for a warm-up in the parent (under a second, before any child starts)
+# to save the children clearly more than it costs (about 0.5 s each, two children at once)
 _WARMED = 8
 
 # the checks in process left at least, for half of them to go to a forked helper when no check

@@ -9,19 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from models import MLP_CONFTEST
 from models import SOURCE as MODELS
 
 pytestmark = pytest.mark.slow  # pytest sessions in subprocesses
-
-CONFTEST = '''
-import pytest, torch
-from models import MLP
-
-@pytest.fixture(scope="module")
-def mlp():
-    torch.manual_seed(0)
-    return MLP().eval()
-'''
 
 # the model's calls settle in the first test; the last test runs until a check of it has ended
 # (its record in the export cache), as a suite's remaining tests would, at most WAIT seconds
@@ -57,7 +48,7 @@ def _session(
 ) -> tuple[pytest.RunResult, dict]:
     """A first run (empty export directory) of ``tests`` with ``--export-overlap overlap`` (off:
     no test waits for a check)."""
-    pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_suite=tests)
+    pytester.makepyfile(models=MODELS, conftest=MLP_CONFTEST, test_suite=tests)
     monkeypatch.setenv("WAIT", "240" if overlap == "auto" else "0")
     result = pytester.runpytest_subprocess("--export-check", "--export-examples=3", "--export-report=report.json",
                                            f"--export-overlap={overlap}", "-p", "no:cacheprovider")

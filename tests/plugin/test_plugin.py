@@ -8,20 +8,11 @@ import sys
 
 import pytest
 
-from models import LOADED_WITHOUT_CHECK, QUICK_CHECK, junit_cases
+from models import LOADED_WITHOUT_CHECK, MLP_CONFTEST, QUICK_CHECK, junit_cases
 from models import SOURCE as MODELS
 
 pytestmark = pytest.mark.slow  # pytest sessions in subprocesses
 
-CONFTEST = '''
-import pytest, torch
-from models import MLP
-
-@pytest.fixture
-def mlp():
-    torch.manual_seed(0)
-    return MLP().eval()
-'''
 
 TEST_MARKED = '''
 import pytest, torch
@@ -58,7 +49,7 @@ def test_watch(export_observer):
 
 @pytest.fixture
 def suite(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_marked=TEST_MARKED, test_watch=TEST_WATCH)
+    pytester.makepyfile(models=MODELS, conftest=MLP_CONFTEST, test_marked=TEST_MARKED, test_watch=TEST_WATCH)
     return pytester
 
 
@@ -193,7 +184,7 @@ def test_a_rerun_in_a_process_with_another_hash_seed_takes_a_diffusers_style_mod
 
 
 def test_exit_code_zero_when_every_model_passes(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(models=MODELS, conftest=CONFTEST)
+    pytester.makepyfile(models=MODELS, conftest=MLP_CONFTEST)
     pytester.makepyfile(test_ok=TEST_MARKED.split("@pytest.mark.observe_export(\"mlp\", name=\"mlp-failing-test\")")[0])
     result = pytester.runpytest_subprocess("--export-check", "--export-examples=0", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3)
@@ -211,7 +202,7 @@ def test_progress_lines_and_summary_table(suite: pytest.Pytester) -> None:
     ])
 
 
-ZERO_COST_CONFTEST = CONFTEST + '''
+ZERO_COST_CONFTEST = MLP_CONFTEST + '''
 import json, sys
 
 def pytest_sessionfinish(session):
@@ -283,7 +274,7 @@ def test_collect_only_exports_nothing(suite: pytest.Pytester) -> None:
 
 
 def test_marker_errors_fail_the_test_clearly(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(models=MODELS, conftest=CONFTEST, test_errors='''
+    pytester.makepyfile(models=MODELS, conftest=MLP_CONFTEST, test_errors='''
 import pytest
 
 @pytest.fixture
@@ -316,7 +307,7 @@ def test_marker_is_registered(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["@pytest.mark.observe_export(*fixture_names, name=None*"])
 
 
-CRASHING_CONFTEST = CONFTEST + '''
+CRASHING_CONFTEST = MLP_CONFTEST + '''
 import contextlib, os, signal
 
 @contextlib.contextmanager
