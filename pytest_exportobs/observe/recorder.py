@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from .alignment import AlignedCalls, align_calls
 from .binding import value_text
 from .interception import intercepted
 from .structures import structure_families
+from .weights import layout_digest, parameter_shapes, weights_digest
 
 
 @dataclass
@@ -25,19 +25,37 @@ class Observation:
     """One distinct call signature seen by an :class:`InputObserver`.
 
     ``args``/``kwargs`` are detached clones taken before the call (models update caches in
-    place); ``outputs`` are the flattened eager outputs.  ``calls`` counts the calls that
-    had the same flattened shape signature and therefore stored no extra copy.
+    place); ``outputs`` are the flattened eager outputs, ``None`` when they were not kept (see
+    :class:`OutputAllowance`).  ``calls`` counts the calls that had the same flattened shape
+    signature and therefore stored no extra copy.
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    outputs: list[torch.Tensor | None]
+    outputs: list[torch.Tensor | None] | None
     calls: int = 1
     source: str = ""
     instance: int = 0
     weights_digest: int = 0  # of the instance's weights at the call (see weights_digest)
     layout: int = 0  # of the instance's parameter shapes at the call: a resize changes it
     training: bool = False  # the module was in training mode (dropout...) during the call
+
+
+@dataclass
+class OutputAllowance:
+    """The bytes of eager outputs the recorders sharing it may still keep.  A call's outputs
+    beyond it are not kept (``Observation.outputs`` is ``None``): its inputs are, and a check
+    recomputes the outputs from them.  Attention maps make outputs the bulk of what a session
+    records (a tiny DINOv2's, 10 MB a call), and every forked check inherits them."""
+
+    remaining: int
+
+    def take(self, nbytes: int) -> bool:
+        """Whether outputs of ``nbytes`` are kept, taken from the allowance if so."""
+        if nbytes > self.remaining:
+            return False
+        self.remaining -= nbytes
+        return True
 
 
 @dataclass
@@ -116,44 +134,6 @@ def _bound_signature(function: Callable[..., Any]) -> inspect.Signature:
     return signature.replace(parameters=parameters)
 
 
-DIGEST_SAMPLES = 64  # values of each parameter or buffer a weights digest reads, evenly spaced
-
-
-def parameter_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    """Name, shape and dtype of every parameter."""
-    return [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
-
-
-def layout_digest(parameters: list[tuple[str, tuple[int, ...], str]]) -> int:
-    """A digest of :func:`parameter_shapes`, the same in every process (a call recorded on one
-    xdist worker is matched to the shapes another process reads)."""
-    return _stable_hash(parameters)
-
-
-def weights_digest(module: torch.nn.Module) -> int:
-    """A digest of the values of the parameters and buffers, taken at every recorded call: it
-    changes when the weights do, whether in place, through ``.data`` (which in-place version
-    counters miss: ``p.data.normal_()``), by replacement or by a resize.  Each tensor
-    contributes its shape, dtype and version counter, and the bytes of at most
-    :data:`DIGEST_SAMPLES` of its values, evenly spaced (gathered by dtype and hashed at once),
-    so that it stays cheap for large models."""
-    described = []
-    samples: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in (*module.parameters(), *module.buffers()):
-        described.append((tuple(tensor.shape), str(tensor.dtype), 0 if tensor.is_inference() else tensor._version))
-        if not tensor.is_meta and tensor.numel():
-            flat = tensor.detach().reshape(-1)
-            # each sample to the CPU before they are joined: a model may hold weights on several devices
-            samples.setdefault(flat.dtype, []).append(flat[:: max(1, flat.numel() // DIGEST_SAMPLES)].cpu())
-    digest = hashlib.blake2b(repr(described).encode(), digest_size=8)
-    for parts in samples.values():
-        digest.update(torch.cat(parts).view(torch.uint8).numpy().tobytes())
-    return int.from_bytes(digest.digest(), "big")
-
-
-def _stable_hash(value: Any) -> int:
-    """A hash of ``value``'s text that does not depend on the process (``hash`` of strings does)."""
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "big")
 
 
 @dataclass(eq=False)
@@ -176,12 +156,15 @@ class CallRecorder:
 
     With a ``capacity``, the calls that add information (a new input structure, an axis varied
     for the first time, a new pattern of equal sizes) are also stored beyond a block's
-    ``store_n_calls``, while fewer than ``capacity`` calls are stored.
+    ``store_n_calls``, while fewer than ``capacity`` calls are stored.  With an ``allowance``,
+    a call's eager outputs are kept while it lasts (see :class:`OutputAllowance`).
     """
 
-    def __init__(self, value_if_missing: dict[str | int, Any] | None = None, capacity: int = 0):
+    def __init__(self, value_if_missing: dict[str | int, Any] | None = None, capacity: int = 0,
+                 allowance: OutputAllowance | None = None):
         self.value_if_missing: dict[str | int, Any] = dict(value_if_missing or {})
         self.capacity = capacity
+        self.allowance = allowance
         self.observations: list[Observation] = []
         self.counts = CallCounts()
         self.signature: inspect.Signature | None = None
@@ -272,9 +255,7 @@ class CallRecorder:
             observation = Observation(
                 args=args,
                 kwargs=kwargs,
-                outputs=[
-                    t.detach().clone() if isinstance(t, torch.Tensor) else None for t in _pytree.tree_leaves(outputs)
-                ],
+                outputs=self._kept(_pytree.tree_leaves(outputs)),
                 source=self._blocks[-1].source if self._blocks else "",
                 instance=id(instance),
                 weights_digest=weights_digest(instance),
@@ -286,9 +267,17 @@ class CallRecorder:
         else:
             self._store(key, observation)
 
+    def _kept(self, leaves: list[Any]) -> list[torch.Tensor | None] | None:
+        """Copies of a call's output tensors (``None`` for other leaves), or ``None`` beyond the
+        allowance."""
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if self.allowance is not None and not self.allowance.take(sum(t.nbytes for t in tensors)):
+            return None
+        return [t.detach().clone() if isinstance(t, torch.Tensor) else None for t in leaves]
+
     def emptied(self) -> CallRecorder:
         """A recorder of the same method and settings, holding no call."""
-        recorder = CallRecorder(self.value_if_missing, self.capacity)
+        recorder = CallRecorder(self.value_if_missing, self.capacity, self.allowance)
         recorder.signature = self.signature
         return recorder
 

@@ -5,7 +5,7 @@ name) the model class's qualified name.  When one default name would cover model
 classes or parameter shapes, the groups are split and suffixed ``[ClassName-<digest>]``; an
 explicit name covering such models is an error.  The first instance observed is kept: it is the
 one exported, and observations made on it with unchanged weights keep their recorded outputs as
-the reference.
+the reference, while the session's allowance for outputs lasts (a check recomputes the others).
 """
 
 from __future__ import annotations
@@ -22,13 +22,16 @@ import torch
 from ..core.configuration import computation, contract
 from ..core.trees import on_meta_device
 from .options import ObserveOptions
-from .recorder import CallRecorder, parameter_shapes, weights_digest
+from .recorder import CallRecorder, OutputAllowance
+from .weights import parameter_shapes, weights_digest
 
 # Memory bound: distinct call signatures kept per model over a session.  The first
 # ``store_n_calls`` of each test are kept up to MAX_ORDINARY; the rest is room for the calls that
 # add information (a new input structure, an axis varied for the first time...).
 MAX_OBSERVATIONS = 32
 MAX_ORDINARY = 24
+# Memory bound: bytes of eager outputs kept over a session (a process), every model's together.
+MAX_KEPT_OUTPUTS = 128 * 2**20
 
 # references to a kept module when only its group holds it: the group's own and getrefcount's argument
 _HELD_HERE = 2
@@ -57,7 +60,7 @@ class ModelGroup:
 
     def is_reference_valid(self, instance: int, digest: int) -> bool:
         """Recorded outputs are the reference iff made on the kept instance with today's weights
-        (the digest of its weights at the call, see :func:`~.recorder.weights_digest`)."""
+        (the digest of its weights at the call, see :func:`~.weights.weights_digest`)."""
         return instance == id(self.module) and digest == weights_digest(self.module)
 
 
@@ -92,6 +95,7 @@ class SessionStore:
         self._by_base: dict[str, dict[str, str]] = {}  # base name -> identity -> group name
         self._identities: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._observed: dict[int, ModelGroup] = {}  # groups observed since gradients were last released
+        self.allowance = OutputAllowance(MAX_KEPT_OUTPUTS)
 
     def group_for(
         self, module: torch.nn.Module, default_name: str, options: ObserveOptions
@@ -116,7 +120,7 @@ class SessionStore:
         name = f"{base}[{ident}]" if members else base
         members[ident] = name
         self.groups[name] = ModelGroup(name, ident, module, options, explicit,
-                                       CallRecorder(options.value_if_missing, capacity=MAX_OBSERVATIONS),
+                                       CallRecorder(options.value_if_missing, MAX_OBSERVATIONS, self.allowance),
                                        parameters=parameter_shapes(module), weights=held_weights(module))
         return self.groups[name]
 

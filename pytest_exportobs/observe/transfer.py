@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,9 @@ def rebuilt(path: Path) -> ModelGroup:
 
 
 def calls_bytes(observations: list[Observation], sources: list[str]) -> bytes:
-    return _serialized(SavedCalls(observations, sources))
+    """``observations`` and their tests, serialized without their outputs: a call recorded in
+    another process is no reference (see :func:`absorb`)."""
+    return _serialized(SavedCalls([replace(observation, outputs=None) for observation in observations], sources))
 
 
 def _serialized(value: Any) -> bytes:

@@ -125,6 +125,24 @@ def test_weights_changed_through_data_after_a_call_recompute_its_reference(tmp_p
     assert (result.verdict, result.reference) == ("passed", "recomputed on the exported instance for 1 of 2 calls")
 
 
+def test_outputs_beyond_the_sessions_allowance_are_recomputed_and_judged_the_same(tmp_path: Path) -> None:
+    """The store keeps a call's outputs while its allowance lasts (here one call's: 2 x 4 floats):
+    the second call's reference is recomputed from its inputs, the verdict unchanged."""
+    store = SessionStore()
+    store.allowance.remaining = 2 * 4 * 4
+    model = MLP().eval()
+    with store.observe(model, "model", ObserveOptions(), "test_engine_faults.py::test") as group:
+        model(torch.randn(2, 8))
+        model(torch.randn(3, 8))
+    assert [o.outputs is None for o in group.recorder.observations] == [False, True]
+    assert [tuple(t.shape) for t in group.recorder.observations[1].args] == [(3, 8)]
+    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0))
+    assert (result.verdict, result.reference) == (
+        "passed", "recomputed on the exported instance for 1 of 2 calls, 1 whose outputs the session's memory bound "
+                  "did not keep")
+    assert store.allowance.remaining == 0
+
+
 def test_state_changed_after_the_calls_with_the_same_weights_recomputes_every_reference(tmp_path: Path) -> None:
     """A configuration entry changed after the calls (transformers' tests set ``model.config``):
     eager, as the tests ran it, steadily gives other outputs with the same weights."""

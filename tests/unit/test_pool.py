@@ -66,6 +66,8 @@ def test_two_workers_pool_their_calls_and_each_model_is_checked_once(tmp_path: P
     assert group.module is shared0
     calls = [(tuple(o.args[0].shape), o.instance == id(shared0), o.calls) for o in group.recorder.observations]
     assert calls == [((2, 4), True, 1), ((3, 4), True, 2), ((5, 4), False, 1)]
+    # a call of another worker travels without its outputs: no reference here
+    assert [o.outputs is None for o in group.recorder.observations] == [False, False, True]
     assert group.sources == ["test_a[2]", "test_a[3]", "test_b[3]", "test_b[5]"]
     assert not group.is_reference_valid(FOREIGN_INSTANCE, group.recorder.observations[2].weights_digest)
 
@@ -362,9 +364,9 @@ def test_a_rebuilt_group_keeps_the_shapes_and_weights_first_observed(tmp_path: P
 
 def test_the_layout_of_a_call_reads_the_same_in_every_process() -> None:
     """xdist workers run with their own hash seeds: a call's layout is matched in another process."""
-    from pytest_exportobs.observe.recorder import layout_digest
+    from pytest_exportobs.observe.weights import layout_digest
 
-    code = ("from pytest_exportobs.observe.recorder import layout_digest;"
+    code = ("from pytest_exportobs.observe.weights import layout_digest;"
             "print(layout_digest([('embed.weight', (10, 4), 'torch.float32')]))")
     seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}

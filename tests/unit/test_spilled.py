@@ -9,8 +9,8 @@ import torch
 from pytest_exportobs.engine import runner
 from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.spilled import SpilledWeights
-from pytest_exportobs.observe.recorder import weights_digest
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
+from pytest_exportobs.observe.weights import weights_digest
 
 from models import MLP
 

@@ -4,7 +4,9 @@ Every eager run here is the model as the tests ran it: no export patch (those ar
 only).  A recorded output is the reference when the call ran on the exported instance, in eval
 mode, with today's weights (the digest of its weights at the call equals today's).  Otherwise it
 is recomputed now: a call observed in training mode (dropout) is judged in eval mode, and one
-made on another instance or before the weights changed is judged on the weights exported.  A
+made on another instance or before the weights changed is judged on the weights exported, as is
+one whose outputs the session did not keep (its memory bound, see
+:class:`~...observe.recorder.OutputAllowance`).  A
 call of another instance of a configured model (transformers, diffusers: one group's instances
 share the configuration that decides which calls they accept) that the exported instance rejects
 was made for that instance's weights (Gemma-3's ``inputs_embeds`` find the image tokens by their
@@ -48,14 +50,15 @@ def references(group: ModelGroup, observations: list[Observation]) -> References
     made on another instance of a configured model: then it is left out)."""
     outputs: list[Outputs] = []
     left_out: dict[int, str] = {}
-    recomputed = training = 0
+    recomputed = training = unkept = 0
     for index, obs in enumerate(observations):
         if on_meta_device(obs):  # timm's default-config tests call a shared module on the meta device
             left_out[index] = f"call {index} from {obs.source or 'a recorded call'} left out: it ran on the meta " \
                               "device (shapes, no values)"
             outputs.append([])
             continue
-        if group.is_reference_valid(obs.instance, obs.weights_digest) and not obs.training:
+        valid = group.is_reference_valid(obs.instance, obs.weights_digest) and not obs.training
+        if valid and obs.outputs is not None:
             outputs.append(obs.outputs)
             continue
         source = obs.source or "a recorded call"
@@ -68,14 +71,18 @@ def references(group: ModelGroup, observations: list[Observation]) -> References
                                    f"its inputs were made for, and the exported instance rejects it ({rejection})")
                 outputs.append([])
                 continue
-            raise ReferenceFailed(
-                f"call {index} from {source} was made on another instance or before "
-                f"the model changed, and the exported instance cannot run it: {rejection}") from e
+            when = ("ran in its test, and the exported instance, with the same weights, no longer runs it (a "
+                    "config entry or an attribute changed after the call)" if valid else
+                    "was made on another instance or before the model changed, and the exported instance cannot "
+                    "run it")
+            raise ReferenceFailed(f"call {index} from {source} {when}: {rejection}") from e
         recomputed += 1
         training += obs.training
+        unkept += valid
     if not recomputed:
         return References(outputs, "recorded", left_out)
     why = f", {training} observed in training mode (eval used)" if training else ""
+    why += f", {unkept} whose outputs the session's memory bound did not keep" if unkept else ""
     return References(
         outputs, f"recomputed on the exported instance for {recomputed} of {len(outputs)} calls{why}", left_out)
 
@@ -99,7 +106,7 @@ def reproduction(
 ) -> Reproduction:
     """Whether eager, as the tests ran it (no export patch), gives ``reference`` again on the call;
     ``STALE`` although the weights are those of the call (their digest, see
-    :func:`~..observe.recorder.weights_digest`, decides first): a config entry or an attribute
+    :func:`~..observe.weights.weights_digest`, decides first): a config entry or an attribute
     changed after the call."""
     first, second = eager(group, observation), eager(group, observation)
     if not compare(first, second, tolerance).ok:

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from ...observe.recorder import CallRecorder, Observation, layout_digest, parameter_shapes
+from ...observe.recorder import CallRecorder, Observation
 from ...observe.store import ModelGroup
+from ...observe.weights import layout_digest, parameter_shapes
 
 BEFORE, AFTER = "before the resize", "after the resize"
 
