@@ -97,13 +97,23 @@ def _check_sides(found: list[Any], settings: CheckSettings, result: ModelResult,
     try:
         graphs: list[GraphResult] = []
         unverified: list[str] = []
+        unchecked: list[int] = []
         for side in found:
-            side_graphs, left_over = _ModelCheck(side.group, settings, result, progress, shared, len(graphs)).run()
+            if _ended(graphs, settings):
+                unchecked += side.calls
+                continue
+            check = _ModelCheck(side.group, settings, result, progress, shared, len(graphs))
+            side_graphs, left_over = check.run()
             for graph in side_graphs:
                 graph.renumber(side.calls)
                 graph.name = ", ".join(filter(None, [side.label, graph.name]))
             graphs += side_graphs
+            unchecked += [side.calls[c] for c in check.unchecked]
             unverified += [f"{side.label}: {left_over}" if side.label else left_over] if left_over else []
+        if unchecked:
+            result.model_notes.append(
+                f"calls {sorted(unchecked)} not checked: the check ended at the first failing graph, whose failure "
+                "is the model's verdict (--export-every-graph checks them)")
         result.conclude(graphs, "; ".join(unverified))
         if result.verdict == Verdict.PASSED:
             result.output = ""
@@ -115,6 +125,12 @@ def _check_sides(found: list[Any], settings: CheckSettings, result: ModelResult,
         result.verdict, result.stage, result.kind = Verdict.FAILED, Stage.ENGINE, Kind.INTERNAL
         result.reason = f"internal error of pytest-exportobs, not of the model (please report it): {error_line(e)}"
         result.traceback = "".join(traceback.format_exception(e))
+
+
+def _ended(graphs: list[GraphResult], settings: CheckSettings) -> bool:
+    """Whether a model's check ends here: a graph failed (its failure is the model's verdict, see
+    :meth:`~.base.result.ModelResult.conclude`) and ``every_graph`` is off."""
+    return not settings.every_graph and any(not g.passed and g.verdict != Verdict.SKIPPED for g in graphs)
 
 
 class ModelProblem(Exception):
@@ -180,6 +196,7 @@ class _ModelCheck:
         self.first_graph = first_graph  # the number of this check's first graph among the model's
         self.options = group.options
         self.patches = TracingPatches()
+        self.unchecked: list[int] = []  # the group's calls past the first failing graph (see _ended)
 
     def run(self) -> tuple[list[GraphResult], str]:
         """The graphs of the model (their calls numbered as the group's) and the calls no graph
@@ -198,6 +215,9 @@ class _ModelCheck:
             kept = [[i for i in family if i not in found.left_out] for family in self.group.recorder.families()]
             families = [family for family in kept if family]
             for family in families:
+                if _ended([g.result for g in graphs], self.settings):
+                    self.unchecked += family
+                    continue
                 joint = self._infer(family)
                 context = self._context(family, observations, found)
                 checks, left = self._check_graphs(joint, context, self.first_graph + len(graphs))
@@ -317,6 +337,9 @@ class _ModelCheck:
                 split.name = ", ".join(filter(None, [plan.name, f"without {missing}" if missing else check.apart]))
                 check.result.name = check.result.name or (f"with {missing}" if missing else "")
                 queue.append(split)
+            if _ended([check.result], self.settings):
+                self.unchecked += [context.ids[c] for plan in queue for c in plan.calls]
+                break
         for check in done:
             check.result.renumber(context.ids)
         return done, unverified

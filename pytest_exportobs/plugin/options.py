@@ -66,6 +66,9 @@ SETTINGS = (
             "the tests leave idle (one process at the lowest priority, filling the export cache that the check "
             "at the end reads; without xdist workers and with 2 cores or more); off: check only at the end "
             "(default: auto)", default="auto", choices=OVERLAP_MODES),
+    Setting("export_every_graph", "check every graph of a model (one per input structure and constants) past "
+            "its first failing one (default: a model's check ends at its first failing graph, whose failure is the "
+            "model's verdict)", kind="flag", default=False),
     Setting("export_timeout", "time limit of each model's check in seconds: beyond it the model fails with "
             "kind timeout (default: none)", metavar="SECONDS"),
     Setting("export_observe", "observe every instance of this torch.nn.Module class (dotted path; subclasses "
@@ -158,6 +161,7 @@ class Options:
                 hypothesis_seed=_hypothesis_seed(config),
                 dims=_choice(read(config, "export_dims") or "roles", "export_dims", DIM_MODES),
                 timeout=_timeout(read(config, "export_timeout")),
+                every_graph=read(config, "export_every_graph"),
             ),
             observe=_lines(read(config, "export_observe")),
             observe_exclude=_lines(read(config, "export_observe_exclude")),

@@ -540,3 +540,64 @@ def test_a_kept_models_gradients_are_released_once_no_test_can_reach_it(
         "test_training::test_the_kept_model_has_no_gradients_left_and_the_shared_one_keeps_its_own": "passed",
         "exportobs::own": "passed", "exportobs::shared": "passed",
     }
+
+
+CHECKED_ON_REQUEST = '''
+import pytest, torch
+
+
+class CheckedOnRequest(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, checked=False):
+        if checked and x.sum() > 0:  # data-dependent: torch.export cannot trace it
+            return self.proj(x).abs()
+        return self.proj(x)
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return CheckedOnRequest().eval()
+
+
+@pytest.mark.observe_export("model")
+def test_checked(model):
+    assert model(torch.ones(2, 4), checked=True).shape == (2, 4)
+    assert model(torch.ones(3, 4), checked=True).shape == (3, 4)
+
+
+@pytest.mark.observe_export("model")
+def test_plain(model):
+    assert model(torch.randn(5, 4)).shape == (5, 4)
+'''
+
+
+@pytest.mark.parametrize("asked", [[], ["-n", "2"], ["--export-every-graph"], ["ini"]],
+                         ids=["default", "xdist", "option", "ini"])
+def test_a_models_check_ends_at_its_first_failing_graph_with_the_same_verdict(
+    pytester: pytest.Pytester, asked: list[str]
+) -> None:
+    pytester.makepyfile(test_checked=CHECKED_ON_REQUEST)
+    every_graph = asked in (["--export-every-graph"], ["ini"])
+    if asked == ["ini"]:
+        pytester.makeini("[pytest]\nexport_every_graph = true\n")
+    result = pytester.runpytest_subprocess("--export-check", "--export-examples=0", "--junitxml=junit.xml",
+                                           "--export-report=report.json", "-p", "no:cacheprovider",
+                                           *(a for a in asked if a != "ini"))
+    result.assert_outcomes(passed=2, failed=1)
+    assert junit_cases(pytester.path / "junit.xml")["exportobs::model"] == "failure"
+    (model,) = json.loads((pytester.path / "report.json").read_text())["models"]
+    assert (model["verdict"], model["stage"], model["kind"]) == ("failed", "torch.export", "error")
+    assert model["reason"].startswith("[checked=True] GuardOnDataDependentSymNode")
+    graphs = [(g["name"], g["calls"], g["verdict"]) for g in model["graphs"]]
+    unchecked = ("calls [2] not checked: the check ended at the first failing graph, whose failure is the model's "
+                 "verdict (--export-every-graph checks them)")
+    if every_graph:
+        assert graphs == [("checked=True", [0, 1], "failed"), ("checked default", [2], "passed")]
+        assert unchecked not in model["model_notes"]
+    else:
+        assert graphs == [("checked=True", [0, 1], "failed")]
+        assert unchecked in model["model_notes"]

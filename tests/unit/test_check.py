@@ -516,6 +516,41 @@ def test_calls_with_other_constants_get_a_graph_of_their_own(tmp_path: Path, tar
     ]
 
 
+class CheckedOnRequest(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        if checked and x.sum() > 0:  # data-dependent: torch.export cannot trace it
+            return self.proj(x).abs()
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("every_graph", [False, True])
+def test_a_models_check_ends_at_its_first_failing_graph_unless_every_graph_is_asked(
+    tmp_path: Path, every_graph: bool
+) -> None:
+    module = CheckedOnRequest()
+    store = SessionStore()
+    with store.observe(module, "checked", ObserveOptions(), "t") as group:
+        module(torch.randn(2, 4), checked=True)
+        module(torch.randn(3, 4), checked=True)
+        module(torch.randn(5, 4))
+    result = check_model(group, settings(tmp_path, every_graph=every_graph))
+    assert (result.verdict, result.stage, result.kind) == ("failed", "torch.export", "error")
+    assert result.reason.startswith("[checked=True] GuardOnDataDependentSymNode")  # the same either way
+    graphs = [(g.name, g.calls, g.verdict) for g in result.graphs]
+    unchecked = ("calls [2] not checked: the check ended at the first failing graph, whose failure is the model's "
+                 "verdict (--export-every-graph checks them)")
+    if every_graph:
+        assert graphs == [("checked=True", [0, 1], "failed"), ("checked default", [2], "passed")]
+        assert unchecked not in result.model_notes
+    else:
+        assert graphs == [("checked=True", [0, 1], "failed")]
+        assert unchecked in result.model_notes
+
+
 def test_calls_with_other_constants_and_the_same_outputs_share_a_graph(tmp_path: Path) -> None:
     module = KeywordConstants()
     store = SessionStore()

@@ -232,7 +232,8 @@ class ModelResult:
         if failing is not None:
             self.stage, self.kind = failing.stage, failing.kind
             self.traceback, self.repro_path = failing.traceback, failing.repro_path
-            self.reason = f"[{failing.name}] {failing.reason}" if len(graphs) > 1 and failing.name else failing.reason
+            # a graph has a name when the model has several: the checks past a failing one may not have run
+            self.reason = f"[{failing.name}] {failing.reason}" if failing.name else failing.reason
         elif unverified:
             self.stage, self.kind, self.reason = Stage.VERIFY, Kind.UNVERIFIED, unverified
         else:

@@ -23,7 +23,9 @@ class CheckSettings:
     ``patches`` are dotted paths to context-manager factories entered around export and
     verification; ``use_cache`` reads and writes the export cache under ``export_dir`` (under
     ``cache_root`` when given: checks made during the tests write their files elsewhere);
-    ``timeout`` limits each model's check to that many seconds (``None``: no limit).
+    ``timeout`` limits each model's check to that many seconds (``None``: no limit);
+    ``every_graph`` checks the graphs of a model past its first failing one, whose failure is the
+    model's verdict (``False``: the check ends there).
     """
 
     export_dir: Path
@@ -37,6 +39,7 @@ class CheckSettings:
     dims: str = "roles"
     timeout: float | None = None
     cache_root: Path | None = None
+    every_graph: bool = False
 
     @property
     def cache_dir(self) -> Path:
