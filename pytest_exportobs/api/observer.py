@@ -227,9 +227,13 @@ class InputObserver(CallRecorder):
         aligned = shapes.aligned
         with flattening_context():
             calls = [shapes.call_leaves(index) for index in range(aligned.n_calls)]
+        expected = []
+        for index in aligned.kept:
+            outputs = self.observations[index].outputs
+            assert outputs is not None  # an observer keeps every call's outputs: it sets no OutputAllowance
+            expected.append(outputs)
         discrepancies = verify_calls(
-            OnnxRunner(onnx_model_or_path), _progress(calls, progress_bar),
-            [self.observations[i].outputs for i in aligned.kept], Tolerance(atol=atol, rtol=rtol),
+            OnnxRunner(onnx_model_or_path), _progress(calls, progress_bar), expected, Tolerance(atol=atol, rtol=rtol),
         )
         return [
             {**d.as_row(), "n_inputs": len(leaves), **_counts(recorded, leaves)}
