@@ -31,7 +31,7 @@ from .weights import parameter_shapes, weights_digest
 MAX_OBSERVATIONS = 32
 MAX_ORDINARY = 24
 # Memory bound: bytes of eager outputs kept over a session (a process), every model's together.
-MAX_KEPT_OUTPUTS = 128 * 2**20
+MAX_KEPT_OUTPUTS = 32 * 2**20
 
 # references to a kept module when only its group holds it: the group's own and getrefcount's argument
 _HELD_HERE = 2
