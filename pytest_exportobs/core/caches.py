@@ -26,7 +26,6 @@ def cache_module() -> Any:
     return transformers.cache_utils
 
 
-
 def filled(layer: Any, key: torch.Tensor, value: torch.Tensor) -> Any:
     """``layer`` holding ``key``/``value``, as ``lazy_initialization`` + ``update`` leave it."""
     layer.keys, layer.values = key, value

@@ -376,7 +376,6 @@ class GraphCheck:
                 "asserted": [str(condition) for condition in self.asserted]}
 
 
-
 def _variation_notes(variation: VariationOutcome) -> list[str]:
     """What an exploration tells besides its failure: examples where eager rounds, examples eager rejects."""
     notes = []

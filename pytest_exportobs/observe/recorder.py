@@ -134,8 +134,6 @@ def _bound_signature(function: Callable[..., Any]) -> inspect.Signature:
     return signature.replace(parameters=parameters)
 
 
-
-
 @dataclass(eq=False)
 class _Block:
     """An open ``with recorder(...)`` block: the number of observations it may reach, and the

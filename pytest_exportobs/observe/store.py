@@ -76,8 +76,6 @@ def identity(module: torch.nn.Module) -> str:
     return f"{type(module).__name__}-{hashlib.sha1(repr(key).encode()).hexdigest()[:6]}"
 
 
-
-
 def held_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's parameters and buffers by name (tied ones under each of their names), held by
     reference to their storage (``.data``): ``resize_token_embeddings`` assigns the embedding
