@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from pytest_exportobs.engine.base.eager import ModelRaised, call_model
 from pytest_exportobs.engine.base.reasons import one_line_reason
 from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
@@ -214,3 +215,50 @@ def test_a_logging_handler_left_with_a_closed_stream_does_not_break_a_check(tmp_
         logger.removeHandler(handler)
     assert result.verdict == "passed", result.reason
     assert handler.stream is stream  # given back as it was
+
+
+def test_what_a_forward_assigns_in_the_checks_call_is_undone() -> None:
+    """A forward rebinding a buffer, adding an attribute and a submodule: the check's call of it
+    (at a size of its own) leaves the model as the tests left it; what raised is the model's."""
+    class Remembers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.scale = torch.full((1,), float(x.shape[-1]))
+            self.last_width = x.shape[-1]
+            self.head = torch.nn.Identity()
+            if x.shape[0] > 4:
+                raise ValueError("at most 4 rows")
+            return x * self.scale
+
+    model = Remembers()
+    scale = model.scale
+    assert torch.equal(call_model(model, torch.ones(2, 3)), torch.full((2, 3), 3.0))
+    with pytest.raises(ModelRaised, match="at most 4 rows"):
+        call_model(model.forward, torch.ones(5, 3))
+    assert model.scale is scale and "scale" in model._buffers
+    assert not hasattr(model, "last_width") and "head" not in model._modules
+
+
+def test_hooks_a_forward_installs_once_and_flags_are_undone_together() -> None:
+    """transformers installs its output-capturing hooks at a model's first call that needs them
+    and flags the model: undoing the flag alone would have the next call install them again,
+    and every hook capture twice."""
+    class CapturesOnce(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+            if not getattr(self, "_hooks_installed", False):
+                self.inner.register_forward_hook(lambda module, inputs, output: self.captured.append(output))
+                self._hooks_installed = True
+            self.captured: list[torch.Tensor] = []
+            return self.inner(x), len(self.captured)
+
+    model = CapturesOnce()
+    assert [call_model(model, torch.ones(2, 3))[1] for _ in range(3)] == [1, 1, 1]
+    assert not model.inner._forward_hooks and not hasattr(model, "_hooks_installed")
+    assert model(torch.ones(2, 3))[1] == 1 and len(model.inner._forward_hooks) == 1  # the model's own call

@@ -3,6 +3,7 @@ meta device, sides a model branches on or pins (no pytest session)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import onnx
@@ -10,8 +11,10 @@ import onnxruntime
 import pytest
 import torch
 
+from pytest_exportobs.engine.base.eager import ModelRaised, call_model
 from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
+from pytest_exportobs.engine.export.tracing import NON_STRICT, Example
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 
 from models import ConvNet, FixedGrid, PatchMixer
@@ -251,3 +254,35 @@ def test_calls_breaking_the_sides_torch_restricts_a_graph_to_get_a_graph_of_thei
         with torch.no_grad():
             expected = model(images).logits
         torch.testing.assert_close(run_onnx(graph.onnx_path, images), expected, atol=1e-4, rtol=1e-4)
+
+
+def windows(model: torch.nn.Module) -> list[tuple[int, int]]:
+    return [(layer.window_size, layer.shift_size) for layer in model.modules() if hasattr(layer, "shift_size")]
+
+
+@pytest.mark.parametrize(("side", "changed"), [(8, [(4, 0), (2, 0), (4, 2)]), (16, [(4, 0), (4, 0), (4, 0)])])
+def test_the_checks_calls_and_traces_at_other_sizes_leave_the_model_as_the_tests_left_it(
+    side: int, changed: list[tuple[int, int]],
+) -> None:
+    """Swin's layers take the side they see as their window when it is no larger, and keep it:
+    after a call at 8x8 (which raises) its second stage windows 2x2, after 16x16 its last block
+    no longer shifts; its calls at the tests' 32x32 then fail or compute otherwise.  The check's
+    own calls and traces at such sizes leave the model's attributes as they were."""
+    other = torch.randn(2, 3, side, side)
+    unchecked = tiny_swin()
+    with contextlib.suppress(RuntimeError), torch.no_grad():
+        unchecked(other)
+    assert windows(unchecked) == changed  # what the model's own call does to it
+
+    model = tiny_swin()
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        before = model(images).logits
+    if side == 16:  # traced (at 8 the trace raises as eager does)
+        NON_STRICT.export(model, Example([other], (other,), {}), ({0: torch.export.Dim("batch")},))
+        assert windows(model) == [(4, 0), (4, 0), (4, 2)]
+    with contextlib.suppress(ModelRaised), torch.no_grad():
+        call_model(model, other)
+    assert windows(model) == [(4, 0), (4, 0), (4, 2)]
+    with torch.no_grad():
+        assert torch.equal(model(images).logits, before)

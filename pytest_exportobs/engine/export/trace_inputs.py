@@ -16,6 +16,7 @@ from ...core.trees import detached_clone
 from ...core.vocabulary import AxisRole
 from ...shapes.model import ShapeModel
 from ...shapes.synthesis import example_leaves, free_variables, rows_repeated
+from ..base.eager import ModelRaised, call_model
 from .probe import SizeProbe, leaves_at
 from .tracing import Example
 
@@ -39,9 +40,9 @@ def example_to_trace(call: Any, shapes: ShapeModel, constants: bool, notes: list
         args, kwargs = detached_clone(shapes.aligned.split_arguments(candidate))  # the call grows caches in place
         try:
             with torch.no_grad():
-                call(*args, **kwargs)
-        except Exception as e:
-            notes.append(f"{what} rejected by eager as an example ({type(e).__name__})")
+                call_model(call, *args, **kwargs)
+        except ModelRaised as e:
+            notes.append(f"{what} rejected by eager as an example ({type(e.error).__name__})")
             continue
         notes.append(f"no recorded call has every dynamic size >= 2: exported on {what}")
         return Example.of(shapes, candidate, constants)

@@ -32,6 +32,7 @@ from ...core.text import error_line, first_line
 from ...core.trees import detached_clone, flat_outputs
 from ...shapes.model import ShapeModel
 from ...shapes.spec import spec_api, to_shapes_spec
+from ..base.eager import attributes_kept
 from ..verify.compare import Tolerance, compare
 from .bounds import check_bounds
 from .domain import Refinement, apply_refinements, program_shapes, static_axes
@@ -95,7 +96,7 @@ class Capture:
 
     def export(self, module: torch.nn.Module, example: Example, dynamic_shapes: Any,
                **options: Any) -> torch.export.ExportedProgram:
-        with self.patches.tracing(), lean_tracing():
+        with self.patches.tracing(), lean_tracing(), attributes_kept(module):
             program = torch.export.export(module, example.args, example.kwargs, dynamic_shapes=dynamic_shapes,
                                           strict=self.strict, **options)
         return dispatches_cached(program)
@@ -223,7 +224,7 @@ def reproduces(program: torch.export.ExportedProgram, module: torch.nn.Module, *
     graph = unchecked_module(program)
     for example in examples:
         try:
-            with torch.no_grad():
+            with torch.no_grad(), attributes_kept(module):
                 expected = flat_outputs(module(*detached_clone(example.args), **detached_clone(example.kwargs)))
                 actual = flat_outputs(graph(*detached_clone(example.args), **detached_clone(example.kwargs)))
         except Exception:

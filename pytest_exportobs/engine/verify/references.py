@@ -25,6 +25,7 @@ from ...core.configuration import contract
 from ...core.trees import detached_clone, flat_outputs, on_meta_device
 from ...observe.recorder import Observation
 from ...observe.store import ModelGroup
+from ..base.eager import attributes_kept
 from .compare import Tolerance, compare
 
 Outputs = list[torch.Tensor | None]
@@ -90,7 +91,8 @@ def references(group: ModelGroup, observations: list[Observation]) -> References
 def eager(group: ModelGroup, observation: Observation) -> Outputs:
     """The exported instance's outputs on a recorded call, now."""
     args, kwargs = detached_clone((observation.args, observation.kwargs))
-    return flat_outputs(getattr(group.module, group.options.method)(*args, **kwargs))
+    with attributes_kept(group.module):
+        return flat_outputs(getattr(group.module, group.options.method)(*args, **kwargs))
 
 
 class Reproduction(Enum):
