@@ -46,7 +46,9 @@ def attributes_kept(module: object) -> Iterator[None]:
     they see as their window when it is no larger than theirs, and keep it (after one call at
     8×8, its calls at 32×32, the tests' own size, fail).  A forward that installs hooks once and
     flags it (transformers' output capturing) is undone whole, flag and hooks, so that its next
-    call installs them once again.  Tensors changed in place stay changed."""
+    call installs them once again.  Tensors and lists changed in place stay changed.  (A trace
+    needs none of it: torch.export puts back the attributes it finds assigned, with copies of the
+    containers they held.)"""
     if not isinstance(module, torch.nn.Module):
         yield
         return

@@ -96,7 +96,7 @@ class Capture:
 
     def export(self, module: torch.nn.Module, example: Example, dynamic_shapes: Any,
                **options: Any) -> torch.export.ExportedProgram:
-        with self.patches.tracing(), lean_tracing(), attributes_kept(module):
+        with self.patches.tracing(), lean_tracing():
             program = torch.export.export(module, example.args, example.kwargs, dynamic_shapes=dynamic_shapes,
                                           strict=self.strict, **options)
         return dispatches_cached(program)
