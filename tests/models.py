@@ -168,6 +168,19 @@ class Bad(torch.nn.Module):
         return self.linear(x) if x.sum() > 0 else x
 
 
+class CheckedOnRequest(torch.nn.Module):
+    """Not exportable when asked to check (a branch on values), exportable otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        if checked and x.sum() > 0:  # data-dependent: torch.export cannot trace it
+            return self.proj(x).abs()
+        return self.proj(x)
+
+
 class HalvingUNet(torch.nn.Module):
     """Halves the sides, doubles them back and concatenates the skip: sides must be even."""
 

@@ -544,17 +544,7 @@ def test_a_kept_models_gradients_are_released_once_no_test_can_reach_it(
 
 CHECKED_ON_REQUEST = '''
 import pytest, torch
-
-
-class CheckedOnRequest(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(4, 4)
-
-    def forward(self, x, checked=False):
-        if checked and x.sum() > 0:  # data-dependent: torch.export cannot trace it
-            return self.proj(x).abs()
-        return self.proj(x)
+from models import CheckedOnRequest
 
 
 @pytest.fixture
@@ -580,7 +570,7 @@ def test_plain(model):
 def test_a_models_check_ends_at_its_first_failing_graph_with_the_same_verdict(
     pytester: pytest.Pytester, asked: list[str]
 ) -> None:
-    pytester.makepyfile(test_checked=CHECKED_ON_REQUEST)
+    pytester.makepyfile(models=MODELS, test_checked=CHECKED_ON_REQUEST)
     every_graph = asked in (["--export-every-graph"], ["ini"])
     if asked == ["ini"]:
         pytester.makeini("[pytest]\nexport_every_graph = true\n")

@@ -28,7 +28,7 @@ from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionSt
 from pytest_exportobs.shapes.spec import spec_api
 
 import models
-from models import MLP, Branchy, ConvNet, HalvingUNet, PatchMixer
+from models import MLP, Branchy, CheckedOnRequest, ConvNet, HalvingUNet, PatchMixer
 
 
 @torch.library.custom_op("exportobs_test::mystery", mutates_args=())
@@ -514,17 +514,6 @@ def test_calls_with_other_constants_get_a_graph_of_their_own(tmp_path: Path, tar
         ("return_dict=True", [0, 1], {"return_dict": True}, "passed", {"x": {"0": "batch"}}),
         ("return_dict default", [2], {}, "passed", {"x": {"0": "batch"}}),
     ]
-
-
-class CheckedOnRequest(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = torch.nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, checked: bool = False) -> torch.Tensor:
-        if checked and x.sum() > 0:  # data-dependent: torch.export cannot trace it
-            return self.proj(x).abs()
-        return self.proj(x)
 
 
 @pytest.mark.parametrize("every_graph", [False, True])

@@ -32,7 +32,7 @@ from ...core.text import error_line, first_line
 from ...core.trees import detached_clone, flat_outputs
 from ...shapes.model import ShapeModel
 from ...shapes.spec import spec_api, to_shapes_spec
-from ..base.eager import attributes_kept
+from ..base.eager import call_model
 from ..verify.compare import Tolerance, compare
 from .bounds import check_bounds
 from .domain import Refinement, apply_refinements, program_shapes, static_axes
@@ -224,8 +224,9 @@ def reproduces(program: torch.export.ExportedProgram, module: torch.nn.Module, *
     graph = unchecked_module(program)
     for example in examples:
         try:
-            with torch.no_grad(), attributes_kept(module):
-                expected = flat_outputs(module(*detached_clone(example.args), **detached_clone(example.kwargs)))
+            with torch.no_grad():
+                args, kwargs = detached_clone((example.args, example.kwargs))
+                expected = flat_outputs(call_model(module, *args, **kwargs))
                 actual = flat_outputs(graph(*detached_clone(example.args), **detached_clone(example.kwargs)))
         except Exception:
             return False
