@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import SupportsInt, TypeGuard
+from typing import NamedTuple, SupportsInt, TypeGuard
 
 SHAPES_LOGGER = "torch.fx.experimental.symbolic_shapes"  # logs symbols, guards and replacements at INFO
 
@@ -53,6 +53,34 @@ def suggested_fixes(message: str) -> list[tuple[str, str]]:
     text = message.partition("Suggested fixes:")[2]
     pairs = [line.strip().partition("=") for line in text.splitlines() if "=" in line]
     return [(name.strip(), value.strip()) for name, _, value in pairs if name.strip().isidentifier()]
+
+
+class Violation(NamedTuple):
+    """A dim torch rejects: the size it names (``L['images'].size()[2]``), the guards it breaks."""
+
+    source: str
+    guards: list[str]
+
+
+def violations(message: str) -> dict[str, Violation]:
+    """The dims a "Constraints violated" rejection lists, each with the guards it breaks ("Not all
+    values of height = L['x'].size()[2] in the specified range satisfy the generated guard ...")."""
+    found: dict[str, Violation] = {}
+    for name, source, guard in re.findall(
+            r"Not all values of (\w+) = (.+?) in the specified range satisfy the generated guard (.+?)\.?$",
+            message, flags=re.MULTILINE):
+        found.setdefault(name, Violation(source, [])).guards.append(guard)
+    return found
+
+
+def affine_of_root(expression: str) -> tuple[int, str, int] | None:
+    """``(factor, root, offset)`` of a derived dim torch suggests on a new root:
+    ``"12*_height - 4"`` -> ``(12, "_height", -4)``; ``None`` for anything else."""
+    found = re.fullmatch(r"(?:(\d+)\*)?(_\w+)(?: ([+-]) (\d+))?", expression)
+    if found is None:
+        return None
+    offset = int(found[4] or 0)
+    return int(found[1] or 1), found[2], -offset if found[3] == "-" else offset
 
 
 def pinned_sizes(fixes: list[tuple[str, str]]) -> dict[str, int]:

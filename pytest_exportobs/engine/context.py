@@ -16,6 +16,7 @@ from ..observe.store import ModelGroup
 from ..shapes.model import ShapeModel
 from .base.eager import call_model
 from .base.settings import CheckSettings
+from .export.learned import LearnedDims
 from .export.pipeline import Traced
 from .export.tracing_patches import TracingPatches
 from .verify.arbiter import Float64Copy, Float64Model
@@ -44,6 +45,7 @@ class ModelContext:
     progress: Callable[[Stage, str], None]
     ids: list[int]  # per call here, its number among the model's recorded calls
     module_digest: Any = None  # the module's, before the check called it (see ExportCache.module_digest)
+    learned: LearnedDims = field(default_factory=LearnedDims)  # what torch said of its named dims so far
     _float64: Float64Copy | None = field(default=None, init=False, repr=False)
 
     @property

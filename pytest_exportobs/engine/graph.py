@@ -133,6 +133,7 @@ class GraphCheck:
         outcome = context.quiet(lambda: export_model(
             context.module, self.shapes, context.target, self.directory / _FILES[context.target], cache,
             method=context.method, probe=probe, patches=context.patches, traces=context.traces,
+            learned=context.learned,
         ))
         for stage, seconds in outcome.timings.items():  # summed over the exports of this graph
             result.timings[stage] = result.timings.get(stage, 0.0) + seconds

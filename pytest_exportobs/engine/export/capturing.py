@@ -12,6 +12,7 @@ from ...core.vocabulary import Stage
 from ...shapes.model import ShapeModel
 from ..base.environment import EnvironmentProblem
 from .bound import bind_constants
+from .learned import LearnedDims
 from .outcome import ExportOutcome
 from .probe import SizeProbe
 from .specializations import Specialized
@@ -44,7 +45,7 @@ def begin(module: torch.nn.Module, shapes: ShapeModel, method: str) -> tuple[Exp
 
 def captured(
     module: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome, probe: SizeProbe | None,
-    patches: TracingPatches,
+    patches: TracingPatches, learned: LearnedDims | None = None,
 ) -> Traced:
     """:func:`_pinned` captured as torch.onnx.export captures first (non-strict, sizes 0
     and 1 taken as any other); when that fails with an error (not a dim torch pins), captured
@@ -52,15 +53,18 @@ def captured(
     (torch.export's default, which proves what the size-oblivious capture cannot: a mask's batch
     ratio of 1), then strict, as torch.onnx.export falls back to (TorchDynamo takes some Python
     the non-strict capture cannot: ``int(lengths.max().item())``).  The first error stands when
-    every capture fails.  ``outcome.capture`` says which capture the program comes from."""
-    first = outcome.capture = Capture(patches)
+    every capture fails.  ``outcome.capture`` says which capture the program comes from.
+    ``learned``: what torch said of the model's named dims in its earlier traces (see :mod:`.learned`)."""
+    learned = learned if learned is not None else LearnedDims()
+    first = outcome.capture = Capture(patches, learned=learned)
     try:
         return _pinned(module, shapes, outcome, probe, first)
     except (Specialized, EnvironmentProblem):
         raise
     except Exception as error:
         notes = list(outcome.notes)
-        for capture in (Capture(patches, oblivious=False), Capture(patches, strict=True)):
+        for capture in (Capture(patches, oblivious=False, learned=learned),
+                        Capture(patches, strict=True, learned=learned)):
             outcome.notes[:] = notes
             try:
                 traced = _pinned(module, outcome.shapes, outcome, probe, capture)

@@ -48,6 +48,7 @@ from .domain import (
     refinements,
 )
 from .executorch_stages import load_lowered, to_executorch
+from .learned import LearnedDims
 from .onnx_stages import check_onnx, decompose, finish, save_with_weights, translate
 from .outcome import ExportOutcome, StageFailed, Stages
 from .probe import SizeProbe
@@ -71,6 +72,7 @@ def export_model(
     module: torch.nn.Module, shapes: ShapeModel, target: Target, path: Path,
     cache: ExportCache | None = None, method: str = "forward", probe: SizeProbe | None = None,
     patches: TracingPatches = NO_PATCHES, traces: dict[str, Traced] | None = None,
+    learned: LearnedDims | None = None,
 ) -> ExportOutcome:
     """Export ``module.<method>`` called on ``shapes``' example inputs with its dynamic dimensions,
     torch.export running under ``patches``; ``target`` ``onnx`` translates and writes ``path``,
@@ -78,7 +80,8 @@ def export_model(
     ``torch`` stops after torch.export.  The shape model is refined with what torch proved (equal
     dims, multiples of 2...).  The ``probe`` runs eager at sizes torch's bounds exclude (``None``:
     bounds are not checked).  ``traces`` holds the programs traced for the check's other targets,
-    by trace key: one found there is not traced again, one traced here is added."""
+    by trace key: one found there is not traced again, one traced here is added.  ``learned``: what
+    torch said of the model's named dims in its earlier traces (see :mod:`.learned`)."""
     outcome, exported = begin(module, shapes, method)
     stages = Stages(outcome)
     cached = cache if target != Target.TORCH else None
@@ -98,7 +101,7 @@ def export_model(
         if _served(cached, key, target, state, path, shapes, outcome):
             return outcome
     try:
-        program, final, names = _traced(stages, exported, shapes, outcome, probe, patches, traces)
+        program, final, names = _traced(stages, exported, shapes, outcome, probe, patches, traces, learned)
         if target == Target.TORCH:
             outcome.dims = read_dims(final, outcome.example.inputs, program_shapes(program), names)
             _save_program(program, path.with_suffix(".pt2"), outcome)
@@ -121,7 +124,7 @@ def export_model(
 
 def _traced(
     stages: Stages, exported: torch.nn.Module, shapes: ShapeModel, outcome: ExportOutcome,
-    probe: SizeProbe | None, patches: TracingPatches, traces: dict[str, Traced] | None,
+    probe: SizeProbe | None, patches: TracingPatches, traces: dict[str, Traced] | None, learned: LearnedDims | None,
 ) -> tuple[torch.export.ExportedProgram, ShapeModel, dict[str, str]]:
     """The program, the shape model it refined and its symbols' names: the program traced for
     another target under the same key, else traced here (and kept in ``traces``)."""
@@ -132,7 +135,7 @@ def _traced(
         outcome.notes = list(known.entry.notes)
         return known.program, outcome.shapes, known.names
     with stages.run(Stage.TORCH_EXPORT):
-        traced = captured(exported, shapes, outcome, probe, patches)
+        traced = captured(exported, shapes, outcome, probe, patches, learned)
     refined = [*made_static(shapes, traced.shapes), *traced.splits]  # already in traced.shapes
     program, outcome.dims_form = traced.program, traced.form
     outcome.program = program

@@ -13,8 +13,9 @@ bound while the others go on, and those axes get a length of their own.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from ...compat.torch_private import (
     size_oblivious,
     unchecked_module,
 )
-from ...compat.torch_text import pinned_sizes, rejects_dims, suggested_fixes
+from ...compat.torch_text import pinned_sizes, rejects_dims, suggested_fixes, violations
 from ...core.text import error_line, first_line
 from ...core.trees import detached_clone, flat_outputs
 from ...shapes.model import ShapeModel
@@ -36,6 +37,7 @@ from ..base.eager import call_model
 from ..verify.compare import Tolerance, compare
 from .bounds import check_bounds
 from .domain import Refinement, apply_refinements, program_shapes, static_axes
+from .learned import LearnedDims, names
 from .probe import SizeProbe
 from .specializations import SpecializationLog, Specialized, logged_specializations
 from .tracing_patches import NO_PATCHES, TracingPatches
@@ -88,6 +90,7 @@ class Capture:
     patches: TracingPatches = NO_PATCHES
     strict: bool = False
     oblivious: bool = True
+    learned: LearnedDims = field(default_factory=LearnedDims, compare=False)  # in the model's traces so far
 
     def __str__(self) -> str:
         """``torch.export(strict=True)``, ``torch.export without size-oblivious sizes``..."""
@@ -165,14 +168,20 @@ def _export(
     """Named dims, refined until torch accepts them; else ``Dim.DYNAMIC`` and torch's ranges,
     unless a demanded dim is ``pinned`` as before.  Returns the program and the shape model without
     the guessed dims torch made constant."""
+    learned = capture.learned
     named: tuple[Any, ...] | dict[str, Any] | list[Any] = shapes.to_dynamic_shapes(named=True, constants=constants)
-    for _ in range(MAX_ATTEMPTS):
+    known = sorted(learned.unfixed & names(named))
+    reason = f"{', '.join(known)} on an earlier graph of the model, suggesting no fix"
+    if not known:
+        named = _with_learned(named, shapes, example, learned, notes)
+    for _ in range(0 if known else MAX_ATTEMPTS):
         try:
             return _torch_export(module, example, named, capture), shapes
         except ExportUserError as e:
             if not rejects_dims(str(e)):
                 raise
             rejection = e
+        reason = first_line(str(rejection))
         fixes = suggested_fixes(rejection.msg)
         specialized = pinned_sizes(fixes)
         if specialized:
@@ -182,18 +191,46 @@ def _export(
                 if again.pins_as(pinned):
                     raise
                 return _unnamed_export(module, again.shapes, example, constants, again, notes, capture), again.shapes
-            named = shapes.to_dynamic_shapes(named=True, constants=constants)
+            named = _with_learned(shapes.to_dynamic_shapes(named=True, constants=constants), shapes, example, learned,
+                                  notes)
             continue
+        unfixed = _unfixed(rejection.msg, fixes)
+        if unfixed:  # refined, the named dims would be rejected again for these
+            learned.unfixed |= unfixed
+            break
         try:
             named = torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(rejection.msg, named)
         except Exception:  # no fix torch can apply itself (a stride-2 range, ...)
             break
+        learned.learn(fixes)
         notes.append("named dims refined with torch's suggested fixes: " + "; ".join(f"{n} = {v}" for n, v in fixes))
     notes.append(
-        f"torch.export rejected the named dims ({first_line(str(rejection))}): exported with "
-        "Dim.DYNAMIC dims, torch deriving their ranges"
+        f"torch.export rejected the named dims ({reason}): exported with Dim.DYNAMIC dims, torch deriving their ranges"
     )
     return _torch_export(module, example, shapes.to_dynamic_shapes(constants=constants), capture), shapes
+
+
+def _with_learned(named: Any, shapes: ShapeModel, example: Example, learned: LearnedDims, notes: list[str]) -> Any:
+    """The shape model's ``named`` dims with the fixes torch suggested in the model's earlier
+    traces, where the example's sizes are of their form (see :mod:`.learned`)."""
+    sizes = {variable.name: [example.leaves[leaf].shape[axis] for leaf, axis in variable.axes
+                             if isinstance(example.leaves[leaf], torch.Tensor)] for variable in shapes.variables}
+    named, taken = learned.refine(named, sizes)
+    if taken:
+        notes.append("named dims as torch suggested on an earlier graph of the model: "
+                     + "; ".join(line for fix in taken for line in fix.lines))
+    return named
+
+
+def _unfixed(message: str, fixes: list[tuple[str, str]]) -> set[str]:
+    """The dims torch rejects and suggests no fix for (in no fix's name or expression) on guards
+    of that dim alone: refining the others leaves those guards, and torch rejects it again (a
+    backbone's ``batch != 1``)."""
+    fixed = {word for name, value in fixes for word in (name, *re.findall(r"\w+", value))}
+    rejected = violations(message)
+    return {name for name, violation in rejected.items()
+            if name not in fixed and not any(other.source in guard for guard in violation.guards
+                                             for other_name, other in rejected.items() if other_name != name)}
 
 
 def _unnamed_export(
