@@ -5,6 +5,7 @@ logger.  Each is tested on messages captured from every supported torch
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import NamedTuple, SupportsInt, TypeGuard
 
@@ -81,6 +82,15 @@ def affine_of_root(expression: str) -> tuple[int, str, int] | None:
         return None
     offset = int(found[4] or 0)
     return int(found[1] or 1), found[2], -offset if found[3] == "-" else offset
+
+
+def dim_range(fix: str) -> tuple[int, float] | None:
+    """``(min, max)`` of a suggested ``Dim('batch', min=2, max=63)`` (no min: 0; ``max=oo`` or no
+    max: infinite); ``None`` for any other fix."""
+    if not fix.startswith("Dim("):
+        return None
+    low, high = re.search(r"min=(\d+)", fix), re.search(r"max=(\d+)", fix)
+    return int(low[1]) if low else 0, int(high[1]) if high else math.inf
 
 
 def pinned_sizes(fixes: list[tuple[str, str]]) -> dict[str, int]:

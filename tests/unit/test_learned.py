@@ -3,12 +3,14 @@ traces (``engine/export/learned``), on the messages the installed torch writes."
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.export import Dim
 
 from pytest_exportobs.compat.torch_private import ExportUserError
-from pytest_exportobs.compat.torch_text import Violation, affine_of_root, suggested_fixes, violations
+from pytest_exportobs.compat.torch_text import Violation, affine_of_root, dim_range, suggested_fixes, violations
 from pytest_exportobs.engine.export.learned import LearnedDims, LearnedFix
 from pytest_exportobs.engine.export.tracing import _unfixed
 
@@ -57,6 +59,14 @@ def test_torchs_derived_dims_and_the_dims_it_rejects_are_read() -> None:
 ])
 def test_only_a_new_roots_affine_form_is_a_derived_dim(expression: str, form: tuple | None) -> None:
     assert affine_of_root(expression) == form
+
+
+@pytest.mark.parametrize(("fix", "limits"), [
+    ("Dim('_height', min=1, max=oo)", (1, math.inf)), ("Dim('batch', max=63)", (0, 63)),
+    ("Dim('seq', min=16)", (16, math.inf)), ("2*_height", None), ("3", None),
+])
+def test_the_range_of_a_suggested_dim_is_read(fix: str, limits: tuple | None) -> None:
+    assert dim_range(fix) == limits
 
 
 def test_derived_dims_learned_from_a_rejection_name_the_next_traces_dims_and_torch_takes_them() -> None:

@@ -15,14 +15,13 @@ whatever else a trace needs.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils import _pytree
 
-from ...compat.torch_text import affine_of_root
+from ...compat.torch_text import affine_of_root, dim_range
 
 
 @dataclass(frozen=True)
@@ -57,10 +56,10 @@ class LearnedDims:
         roots = dict(fixes)
         for name, fix in fixes:
             form = affine_of_root(fix)
-            if form is not None and (limits := _range(roots.get(form[1], ""))) is not None:
+            if form is not None and (limits := dim_range(roots.get(form[1], ""))) is not None:
                 lines = (f"{form[1]} = {roots[form[1]]}", f"{name} = {fix}")
                 self.fixes[name] = LearnedFix(name, lines, form[0], form[2], *limits)
-            elif not name.startswith("_") and (limits := _range(fix)) is not None:
+            elif not name.startswith("_") and (limits := dim_range(fix)) is not None:
                 self.fixes[name] = LearnedFix(name, (f"{name} = {fix}",), 1, 0, *limits)
 
     def refine(self, named: Any, sizes: dict[str, list[int]]) -> tuple[Any, list[LearnedFix]]:
@@ -74,14 +73,6 @@ class LearnedDims:
         lines = "\n".join(line for fix in taken for line in fix.lines)
         return torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes(
             f"Suggested fixes:\n{lines}", named), taken
-
-
-def _range(fix: str) -> tuple[int, float] | None:
-    """``(min, max)`` of a fix ``Dim('batch', min=2, max=63)`` (``max=oo``: infinite)."""
-    if not fix.startswith("Dim("):
-        return None
-    low, high = re.search(r"min=(\d+)", fix), re.search(r"max=(\d+)", fix)
-    return int(low[1]) if low else 0, int(high[1]) if high else math.inf
 
 
 def names(named: Any) -> set[str]:
