@@ -9,10 +9,12 @@ import pytest
 import torch
 from torch.export import Dim
 
+from pytest_exportobs import InputObserver
 from pytest_exportobs.compat.torch_private import ExportUserError
 from pytest_exportobs.compat.torch_text import Violation, affine_of_root, dim_range, suggested_fixes, violations
 from pytest_exportobs.engine.export.learned import LearnedDims, LearnedFix
-from pytest_exportobs.engine.export.tracing import _unfixed
+from pytest_exportobs.engine.export.tracing import Capture, Example, _unfixed, trace
+from pytest_exportobs.shapes.model import ShapeModel
 
 
 class PairedPatches(torch.nn.Module):
@@ -132,3 +134,48 @@ def test_a_rejected_dim_without_a_fix_whose_guards_involve_a_fixed_dim_is_refine
         "Suggested fixes:", "  _height = Dim('_height', min=1, max=oo)", "  height = 2*_height"])
     assert sorted(violations(message)) == ["batch", "height"]
     assert _unfixed(message, suggested_fixes(message)) == set()
+
+
+def test_a_models_next_trace_names_the_dims_as_torch_suggested_on_its_first_and_is_traced_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two traces of one model (two graphs of its check) sharing what torch said: the first is
+    rejected once and refined, the second names the dims so up front, torch takes them at once,
+    and the program's inputs are those of the first."""
+    model = PairedPatches()
+    observer = InputObserver()
+    with observer(model), torch.no_grad():
+        model(torch.randn(3, 3, 16, 8), torch.zeros(6))
+        model(torch.randn(4, 3, 12, 8), torch.zeros(10))
+    shapes = ShapeModel.from_aligned(observer.aligned(), None, None)
+    outcomes: list[str] = []
+    export = torch.export.export
+
+    def counted_export(*args: object, **kwargs: object) -> torch.export.ExportedProgram:
+        try:
+            program = export(*args, **kwargs)
+        except ExportUserError:
+            outcomes.append("rejected")
+            raise
+        outcomes.append("taken")
+        return program
+
+    monkeypatch.setattr(torch.export, "export", counted_export)
+    capture = Capture(oblivious=False, learned=LearnedDims())  # torch.export's own sizes: it rejects the pairs
+    exports, notes, inputs = [], [], []
+    for call in (0, 1):
+        outcomes.clear()
+        notes.append([])
+        program = trace(model, shapes, Example.of(shapes, shapes.call_leaves(call), True), True, notes[-1], None,
+                        capture).program
+        exports.append(outcomes[:])
+        inputs.append([node.meta["val"].shape for node in program.graph.nodes if node.op == "placeholder"])
+    assert exports == [["rejected", "taken"], ["taken"]]
+    assert len(notes[0]) == 1 and notes[0][0].startswith("named dims refined with torch's suggested fixes: ")
+    assert notes[1] == ["named dims as torch suggested on an earlier graph of the model: "
+                        "_images_dim2 = Dim('_images_dim2', min=1, max=oo); images_dim2 = 2*_images_dim2; "
+                        "_batch = Dim('_batch', max=oo); batch = 2*_batch"]
+    assert [[str(size) for size in shape] for shape in inputs[1]] == [[str(size) for size in shape]
+                                                                      for shape in inputs[0]]
+    (images, labels) = inputs[1]
+    assert str(images[2]).startswith("2*") and str(labels[0]).startswith("2*")  # the sides and labels in pairs
+    assert [images[1], images[3]] == [3, 8]

@@ -85,12 +85,14 @@ class Capture:
     Python: ``int(lengths.max().item())`` becomes an unbacked size there), with sizes 0 and 1
     taken as any other (``oblivious``, what torch.onnx.export sets) or as torch.export alone
     takes them (where the size-oblivious capture cannot prove what the model assumes: a mask's
-    batch ratio of 1); always without what buys a trace nothing (``compat.lean_tracing``)."""
+    batch ratio of 1); always without what buys a trace nothing (``compat.lean_tracing``); with
+    what torch said of the model's named dims in its earlier traces (``learned``, shared by the
+    captures of one model's check: see :mod:`.learned`)."""
 
     patches: TracingPatches = NO_PATCHES
     strict: bool = False
     oblivious: bool = True
-    learned: LearnedDims = field(default_factory=LearnedDims, compare=False)  # in the model's traces so far
+    learned: LearnedDims = field(default_factory=LearnedDims, compare=False)
 
     def __str__(self) -> str:
         """``torch.export(strict=True)``, ``torch.export without size-oblivious sizes``..."""
