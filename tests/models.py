@@ -218,6 +218,23 @@ class PatchMixer(torch.nn.Module):
         return torch.nn.functional.interpolate(x, size=(height, width), mode="bilinear")
 
 
+class PaddedPatches(torch.nn.Module):
+    """A patch embedding padding odd sides (Swin's): eager takes any size; torch.export asserts
+    the sides even where its guards may wait as runtime asserts (as torch.onnx.export has them),
+    and otherwise rejects named sides for ``width % 2``."""
+
+    def __init__(self, channels: int = 4) -> None:
+        super().__init__()
+        self.projection = torch.nn.Conv2d(3, channels, 2, stride=2)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if images.shape[-1] % 2:
+            images = torch.nn.functional.pad(images, (0, 1))
+        if images.shape[-2] % 2:
+            images = torch.nn.functional.pad(images, (0, 0, 0, 1))
+        return self.projection(images).flatten(2)
+
+
 class FixedGrid(torch.nn.Module):
     """A stride-2 stem before position embeddings of a fixed 8x8 grid, features of another size
     resized to it (EfficientViT-M, TinyViT): eager takes any size, torch.export pins height and

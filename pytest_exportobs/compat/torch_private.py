@@ -34,8 +34,12 @@ __all__ = [
     "to_onnx_program", "translated_ops", "unchecked_module", "upper_bounded",
 ]
 
-# torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``)
-DEFERRED_ASSERTS = "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(torch.export.export).parameters
+# torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``), where
+# torch takes the option: read from the function torch.export.export calls, not from whatever is
+# bound to that name when this is imported (a profiler's ``(*args, **kwargs)`` wrapper says
+# nothing of its options, and without them a Swin's padded sides are rejected, not asserted)
+DEFERRED_ASSERTS = "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(
+    importlib.import_module("torch.export._trace")._export).parameters
 
 
 def deregister_pytree_node(cls: type) -> None:

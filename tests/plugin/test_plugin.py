@@ -591,3 +591,67 @@ def test_a_models_check_ends_at_its_first_failing_graph_with_the_same_verdict(
     else:
         assert graphs == [("checked=True", [0, 1], "failed")]
         assert unchecked in model["model_notes"]
+
+
+TIMED_EXPORTS = '''
+"""Times each torch.export.export call, as a profiler would: a wrapper that says nothing of the
+function's options, installed before the plugin is imported (``-p timed_exports``)."""
+import json, time, torch
+
+_export = torch.export.export
+
+
+def timed(*args, **kwargs):
+    begin = time.perf_counter()
+    try:
+        program = _export(*args, **kwargs)
+    except Exception as error:
+        outcome = type(error).__name__
+        raise
+    else:
+        outcome = "taken"
+        return program
+    finally:
+        with open("exports.jsonl", "a") as log:
+            log.write(json.dumps({"outcome": outcome, "options": sorted(kwargs), "seconds": time.perf_counter() - begin}) + "\\n")
+
+
+torch.export.export = timed
+'''
+
+TEST_PADDED = '''
+import pytest, torch
+from models import PaddedPatches
+
+@pytest.fixture
+def patches():
+    return PaddedPatches().eval()
+
+@pytest.mark.observe_export("patches")
+def test_patches(patches):
+    with torch.no_grad():
+        assert patches(torch.randn(2, 3, 16, 12)).shape == (2, 4, 48)
+        assert patches(torch.randn(3, 3, 24, 20)).shape == (3, 4, 120)
+'''
+
+
+def test_a_wrapped_torch_export_traces_as_torch_onnx_export_does(pytester: pytest.Pytester) -> None:
+    """A profiler wrapping ``torch.export.export`` in a ``(*args, **kwargs)`` function before the
+    plugin is imported: the guards that may wait are still runtime asserts (the padded sides are
+    asserted even, not rejected), every trace is taken at once, the verdict as without it."""
+    pytester.makepyfile(models=MODELS, timed_exports=TIMED_EXPORTS, test_padded=TEST_PADDED)
+    reports = {}
+    for name, profiled in (("plain", []), ("profiled", ["-p", "timed_exports"])):
+        result = pytester.runpytest_subprocess(*profiled, "--export-check", "--export-examples=0", "-p",
+                                               "no:cacheprovider", f"--export-report={name}.json",
+                                               f"--export-dir={name}")
+        result.assert_outcomes(passed=2)
+        reports[name] = json.loads((pytester.path / f"{name}.json").read_text())["models"]
+    exports = [json.loads(line) for line in (pytester.path / "exports.jsonl").read_text().splitlines()]
+    assert [export["outcome"] for export in exports] == ["taken"] * len(exports) and exports
+    assert all("prefer_deferred_runtime_asserts_over_guards" in export["options"] for export in exports)
+    [plain], [profiled] = reports["plain"], reports["profiled"]
+    assert (profiled["verdict"], profiled["dims"], profiled["relations"]) == (
+        plain["verdict"], plain["dims"], plain["relations"]) == (
+        "passed", {"images": {"0": "batch", "2": "height", "3": "width"}},
+        ["width = 2*width_half", "height = 2*height_half"])
