@@ -613,7 +613,8 @@ def timed(*args, **kwargs):
         return program
     finally:
         with open("exports.jsonl", "a") as log:
-            log.write(json.dumps({"outcome": outcome, "options": sorted(kwargs), "seconds": time.perf_counter() - begin}) + "\\n")
+            record = {"outcome": outcome, "options": sorted(kwargs), "seconds": time.perf_counter() - begin}
+            log.write(json.dumps(record) + "\\n")
 
 
 torch.export.export = timed

@@ -1,11 +1,12 @@
 """What torch.export said of a model's named dims, carried from one of its traces to the next.
 
 torch.export rejects named dims only after a whole trace.  It rejects a dim that the model only
-takes in steps (a patch embedding's ``height % 2`` branch) and suggests ``height = 2*_height``
-on a new root ``_height``, or a range (diffusers' UNet: ``batch = Dim('batch', max=63)``); it
-rejects a dim on guards no fix expresses (a Swin backbone's ``batch != 1``), and only
-``Dim.DYNAMIC`` dims are taken then.  The graphs of one model run the same code on the same
-inputs' sides, so each would be rejected the same way, a wasted trace each.
+takes in steps, on guards that cannot wait as runtime asserts, and suggests ``height =
+2*_height`` on a new root ``_height`` (diffusers' UNets: ``8*_height`` for UNet2DModel), or a
+range (UNet2DConditionModel: ``batch = Dim('batch', max=63)``); it rejects a dim on guards no
+fix expresses (a backbone's ``batch != 1``), and only ``Dim.DYNAMIC`` dims are taken then.
+The graphs of one model run the same code on the same inputs' sides, so each would be rejected
+the same way, a wasted trace each.
 :class:`LearnedDims` keeps these lessons for the model's next traces: a derived dim or a range
 is named so up front wherever the example's sizes are of its form; a dim rejected without a
 fix sends the trace to ``Dim.DYNAMIC`` at once.  torch still rejects, and suggests again,
