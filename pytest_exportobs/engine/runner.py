@@ -1,6 +1,7 @@
 """Check the groups within the session's time limit (``--export-timeout``): each in a forked child
-(``--export-isolate``), ``--export-jobs`` children at once, or one after the other in process
-(:mod:`.placement` decides which).
+(``--export-isolate``), ``--export-jobs`` children at once (each a few models of one family in
+turn, without ``--export-isolate``), or one after the other in process (:mod:`.placement`
+decides which).
 
 Ctrl-C (``KeyboardInterrupt``) stops the checks at once (forked children are killed): the models
 being checked and those not begun are ``interrupted``.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
+import math
 import multiprocessing
 import os
 import signal
@@ -66,7 +69,7 @@ def check_all(
     if placed.forked or jobs > 1 and len(placed.in_process) >= _HELPED:
         # a check with no record of a former one exports (a first run's, or a model changed since)
         translating = not settings.use_cache or any(costs.recorded(g) is None for g in placed.forked)
-        phase = _forked_phase(placed.forked, placed.in_process, settings, trackers, jobs, cores, translating)
+        phase = _forked_phase(placed.forked, placed.in_process, settings, trackers, jobs, cores, translating, isolate)
     else:
         phase = _in_process_phase(placed.in_process, settings, trackers, cores.threads(0))
     yield from _recorded(phase, ordered, trackers, costs)
@@ -98,11 +101,12 @@ def _recorded(
 
 def _forked_phase(
     groups: list[ModelGroup], in_process: list[ModelGroup], settings: CheckSettings, trackers: dict[int, Progress],
-    jobs: int, cores: _Cores, translating: bool,
+    jobs: int, cores: _Cores, translating: bool, isolate: bool,
 ) -> Iterator[ModelResult]:
     """The forked checks, their weights spilled to disk meanwhile, and the checks ``in_process``
     in this process while they run (half of them in a forked helper, when enough are left);
-    ``translating``: some of them are expected to translate graphs (not served by the cache)."""
+    ``translating``: some of them are expected to translate graphs (not served by the cache);
+    ``isolate``: each forked check in a child of its own."""
     spilled = None
     try:
         spilled = SpilledWeights.spill(groups, settings.export_dir)  # first: the imports grow a smaller heap
@@ -122,7 +126,8 @@ def _forked_phase(
     here = _Here([(g, trackers[id(g)]) for g in in_process], cores)
     with _heap_frozen(), _threads_kept():
         try:
-            yield from _forked(groups, settings, [trackers[id(g)] for g in groups], jobs, spilled, here)
+            yield from _forked(groups, settings, [trackers[id(g)] for g in groups], jobs, spilled, here,
+                               1 if isolate else _CHUNK)
         finally:
             if spilled is not None:
                 spilled.remove()
@@ -204,35 +209,46 @@ _WARMED = 8
 # waits to be forked: a fork costs about what two such checks do (timm's rerun)
 _HELPED = 8
 
+# the forked checks one child takes in turn at most: after its first, a model of the family
+# traces warm (Swin: 6 s the first trace in a process, 2.5-3.5 s the next, of any Swin class)
+_CHUNK = 4
+
 
 def _forked(
     groups: list[ModelGroup], settings: CheckSettings, trackers: list[Progress], jobs: int,
-    spilled: SpilledWeights | None, here: _Here,
+    spilled: SpilledWeights | None, here: _Here, chunk: int,
 ) -> Iterator[ModelResult]:
-    """Check each group in a forked child, ``jobs`` at once: a native crash fails its model, not
-    the session.  A child is killed when its time is up or the session is interrupted.  The
-    weights ``spilled`` to disk are restored in each child.  The checks ``here`` run in this
-    process meanwhile, one job's place taken from the children until they are done (a rerun's
-    checks the export cache serves beside the forked checks of its largest models); once no
-    check waits to be forked, a forked helper takes half of those left."""
+    """Check the groups in forked children, ``jobs`` at once, each child up to ``chunk`` of them in
+    turn (see :func:`_chunk`): a native crash fails its model, not the session, and the child's
+    checks not begun are forked again.  A child is killed when its time is up or the session is
+    interrupted.  The weights ``spilled`` to disk are restored in each child, each group's for
+    its check.  The checks ``here`` run in this process meanwhile, one job's place taken from the
+    children until they are done (a rerun's checks the export cache serves beside the forked
+    checks of its largest models); once no check waits to be forked, a forked helper takes half
+    of those left."""
     waiting = list(zip(groups, trackers))
     local = here.checks
     running: list[Child] = []
+    helpers: list[Child] = []
     current: tuple[ModelGroup, Progress] | None = None
     try:
         while waiting or running or local:
             while waiting and len(running) < max(1, jobs - bool(local)):
-                started = _start(waiting[:1], settings, spilled)
-                group, tracker = waiting.pop(0)  # only now: a Ctrl-C while starting leaves it waiting
+                taken = _chunk(waiting, jobs, chunk)
+                started = _start(taken, settings, spilled)
+                # only now: a Ctrl-C while starting leaves them waiting
+                waiting[:] = [check for check in waiting if not any(check is other for other in taken)]
                 if isinstance(started, Child):
                     running.append(started)
-                else:
+                    continue
+                for group, tracker in taken:
                     yield tracker.done(unfinished(group, stage=Stage.ISOLATE, kind=Kind.ENVIRONMENT,
                                                   reason=f"could not start the isolated check process: {started}"))
             if not waiting and len(local) >= _HELPED and len(running) < jobs - 1:
                 if isinstance(helper := _start(local[len(local) // 2:], settings, spilled), Child):
                     del local[len(local) // 2:]
                     running.append(helper)
+                    helpers.append(helper)
             if local:
                 current = group, tracker = here.next_check(len(running))
                 result = _checked_here(group, settings, tracker)
@@ -244,7 +260,10 @@ def _forked(
             for child, late in finished:
                 running.remove(child)
                 yield from child.kill_timed_out(settings) if late else child.end()
-                local.extend(child.checks)  # a helper's checks not begun: checked here
+                if child in helpers:
+                    local.extend(child.checks)  # a helper's checks not begun: checked here
+                else:
+                    waiting[:0] = child.checks  # those of a child that died or ran out of time: forked again
     except KeyboardInterrupt:
         for child in running:
             child.kill()
@@ -253,6 +272,20 @@ def _forked(
         if current is not None:
             yield interrupted(current[0], current[1].stage)
         yield from (interrupted(g) for g, _ in [*waiting, *local])
+
+
+def _chunk(
+    waiting: list[tuple[ModelGroup, Progress]], jobs: int, most: int,
+) -> list[tuple[ModelGroup, Progress]]:
+    """The checks the next child takes in turn: the first waiting and those right after it of
+    models of its family (their classes defined in one module: the same code, its first trace in
+    a process about twice the next ones, as torch and the model's code warm up: Swin's), in the
+    order the checks wait (the most expensive first: none is taken ahead of its turn), at most
+    ``most`` and at most the child's share of what waits, so that the last checks spread over
+    the children."""
+    family = type(waiting[0][0].module).__module__
+    size = min(most, math.ceil(len(waiting) / jobs))
+    return list(itertools.takewhile(lambda check: type(check[0].module).__module__ == family, waiting[:size]))
 
 
 def _start(
@@ -284,5 +317,10 @@ def _child(
             spilled.restore(group)
         result = check_model(group, settings, lambda stage, graph: sender.send(("step", (stage.value, graph))))
         sender.send(("result", result.to_json()))
+        if group is not groups[-1]:  # the next check's memory without this one's weights and garbage
+            if spilled is not None:
+                spilled.release(group)
+            gc.collect()
+            return_free_memory()
     sender.close()
     os._exit(0)  # skip pytest's atexit handlers inherited by the fork

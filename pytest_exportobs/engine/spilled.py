@@ -5,10 +5,10 @@ weights of every model the session kept, not only its own.  Before forking, the 
 the CPU tensors of each group's module (and the weights it was first observed with) to a file of
 the group's own and gives each tensor a one-element stand-in of its shape (``tensor.data =
 ...``: the same tensor objects, version counters untouched, so recorded calls still count as
-made with these weights).  A child points its group's tensors at the group's file,
-memory-mapped: only what its check reads is loaded.  The parent points every tensor back once
-the checks are over: nothing is lost.  What the parent freed is given back to the system before
-it forks (:func:`return_free_memory`).
+made with these weights).  A child points each group's tensors at the group's file for the
+group's check, memory-mapped (only what the check reads is loaded), and at stand-ins again
+after it.  The parent points every tensor back once the checks are over: nothing is lost.  What
+the parent freed is given back to the system before it forks (:func:`return_free_memory`).
 """
 
 from __future__ import annotations
@@ -57,22 +57,31 @@ class SpilledWeights:
         except (OSError, RuntimeError):
             shutil.rmtree(spill_directory, ignore_errors=True)
             return None
-        for _, tensors in files.values():
-            for tensor in tensors.values():
-                tensor.data = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
-        return cls(spill_directory, files)
+        spilled = cls(spill_directory, files)
+        spilled.release()
+        return spilled
 
     def restore(self, group: ModelGroup | None = None) -> None:
         """Point the tensors of ``group`` (``None``: of every group) at their values in its
         file, memory-mapped."""
-        if group is None:
-            chosen = list(self.files.values())
-        else:
-            chosen = [self.files[id(group)]] if id(group) in self.files else []
-        for path, tensors in chosen:
+        for path, tensors in self._of(group):
             stored = torch.load(path, mmap=True, weights_only=True)
             for key, tensor in tensors.items():
                 tensor.data = stored[key]
+
+    def release(self, group: ModelGroup | None = None) -> None:
+        """Give the tensors of ``group`` (``None``: of every group) one-element stand-ins of their
+        shapes again: a child checking several groups in turn keeps none of its earlier groups'
+        pages."""
+        for _, tensors in self._of(group):
+            for tensor in tensors.values():
+                tensor.data = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+
+    def _of(self, group: ModelGroup | None) -> list[tuple[Path, Spilled]]:
+        """The files and tensors of ``group``, or of every group (``None``)."""
+        if group is None:
+            return list(self.files.values())
+        return [self.files[id(group)]] if id(group) in self.files else []
 
     def remove(self) -> None:
         """Restore every tensor and delete the files (the mappings outlive them)."""

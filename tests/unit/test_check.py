@@ -1975,3 +1975,54 @@ def test_a_rerun_takes_the_comparisons_of_the_same_file_inputs_and_references_fr
     assert rerun.discrepancies == first.discrepancies and rerun.cache_hit
     assert [d["ok"] for d in reseeded.discrepancies] == [True, True]
     assert len(list((tmp_path / "cache").glob("verified-*.json"))) == 2
+
+
+class _Exiting(torch.nn.Module):
+    """A model whose export ends its process, as a native crash would (eager runs); with modules
+    enough to be expected the most expensive check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting():
+            os._exit(3)
+        return x * 2
+
+
+def test_forked_checks_of_one_family_share_a_child_and_a_crash_forks_the_rest_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Models whose classes one module defines are checked in turn in one child (the first trace
+    in a process costs about twice the next); a child that dies fails the model it was checking,
+    and the models it had not begun are forked again; with ``isolate`` each has a child of its own."""
+    from pytest_exportobs.engine import runner
+
+    started: list[list[str]] = []
+    start = runner._start
+
+    def recorded(checks: list, *rest: Any) -> Any:
+        started.append([group.name for group, _ in checks])
+        return start(checks, *rest)
+
+    monkeypatch.setattr(runner, "_start", recorded)
+    groups = [observed(_Exiting().eval(), (torch.randn(2, 8),), name="exiting"),
+              *(observed(_Scaled().eval(), (torch.randn(2, 8),), (torch.randn(3, 8),), name=f"scaled{i}")
+                for i in range(3)),
+              observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),), name="mlp")]
+    results = {r.name: r for r in runner.check_all(groups, settings(tmp_path), isolate=False, jobs=2)}
+    assert sorted(results) == ["exiting", "mlp", "scaled0", "scaled1", "scaled2"]
+    assert (results["exiting"].verdict, results["exiting"].kind, results["exiting"].reason) == (
+        "failed", "error", "the isolated check process died (exit code 3)")
+    assert all(results[name].verdict == "passed" for name in ("mlp", "scaled0", "scaled1", "scaled2"))
+    # the most expensive first, with the next of its family: 3 at most (5 waiting, 2 jobs) and at
+    # most runner._CHUNK; those the dead child had not begun forked again
+    first = ["exiting", "scaled0", "scaled1"][:min(runner._CHUNK, 3)]
+    assert len(first) > 1 and started[0] == first
+    assert all(len({name == "mlp" for name in chunk}) == 1 for chunk in started)  # one family each
+    assert sorted(name for chunk in started for name in chunk) == sorted(
+        ["exiting", "mlp", "scaled0", "scaled1", "scaled2", *first[1:]])
+    started.clear()
+    isolated = list(runner.check_all(groups[1:], settings(tmp_path / "isolated"), isolate=True, jobs=2))
+    assert [r.verdict for r in isolated] == ["passed"] * 4 and all(len(chunk) == 1 for chunk in started)

@@ -100,3 +100,23 @@ def test_forked_checks_run_on_the_weights_restored_in_each_child_and_the_parent_
         for name, tensor in group.module.state_dict().items():
             assert torch.equal(tensor, before[name]), name
     assert not list(tmp_path.glob("weights-*"))
+
+
+def test_a_group_released_after_its_check_holds_stand_ins_again_and_its_values_on_the_next_restore(
+        tmp_path: Path) -> None:
+    """A child checking several groups in turn: each group's weights mapped for its check only."""
+    torch.manual_seed(0)
+    models = [TiedHead().eval(), MLP().eval()]
+    groups = [observed(models[0], "tied", (torch.randint(0, 50, (2, 5)),)),
+              observed(models[1], "mlp", (torch.randn(2, 8),))]
+    values = [{name: tensor.clone() for name, tensor in model.state_dict().items()} for model in models]
+    spilled = SpilledWeights.spill(groups, tmp_path)
+    assert spilled is not None
+    spilled.restore(groups[0])
+    assert stored_bytes(models[0]) > 2 * 4 and stored_bytes(models[1]) == 4 * len(list(models[1].parameters()))
+    spilled.release(groups[0])
+    spilled.restore(groups[1])
+    assert stored_bytes(models[0]) == 2 * 4 and stored_bytes(models[1]) > 4 * len(list(models[1].parameters()))
+    spilled.remove()
+    for model, before in zip(models, values, strict=True):
+        assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
