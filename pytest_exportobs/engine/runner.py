@@ -236,8 +236,7 @@ def _forked(
             while waiting and len(running) < max(1, jobs - bool(local)):
                 taken = _chunk(waiting, jobs, chunk)
                 started = _start(taken, settings, spilled)
-                # only now: a Ctrl-C while starting leaves them waiting
-                waiting[:] = [check for check in waiting if not any(check is other for other in taken)]
+                del waiting[:len(taken)]  # only now: a Ctrl-C while starting leaves them waiting
                 if isinstance(started, Child):
                     running.append(started)
                     continue
