@@ -6,7 +6,9 @@ the traced program as it is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -17,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx.proxy as fx_proxy
 
-__all__ = ["dispatches_cached", "lean_tracing"]
+__all__ = ["dispatches_cached", "lean_tracing", "sympy_caches_widened"]
 
 _LAYER_NORM = torch.ops.aten.native_layer_norm.default
 _ADDMM = torch.ops.aten.addmm.default
@@ -48,7 +50,10 @@ def lean_tracing() -> Iterator[None]:
     - The sizes of the outputs of a layer norm and of a matrix product with a bias (``nn.Linear``,
       GPT-2's ``Conv1D``) computed op by op in symbolic arithmetic by torch's decompositions
       (together a third of a GPT-2's forward as traced): :func:`_layer_norm_sizes`, :func:`_addmm_sizes`.
+
+    It also widens sympy's caches for the rest of the process (:func:`sympy_caches_widened`).
     """
+    sympy_caches_widened()
     import torch._dynamo.config as dynamo_config
     from torch._subclasses.fake_impls import get_fast_op_impls
 
@@ -71,6 +76,36 @@ def lean_tracing() -> Iterator[None]:
         fx_proxy.CapturedTraceback = symbolized  # type: ignore[misc]
         for handler in pytests:
             trace_log.addHandler(handler)
+
+
+# entries per cached sympy function for the checks (sympy's default: 1000).  A Swin's trace
+# builds about 8000 distinct sums and products: with 1000 the cache of ``AssocOp.__new__`` turns
+# over within a trace and a second trace of the model builds 3800 of them again (2.7 s -> 2.1 s).
+_SYMPY_CACHE_ENTRIES = 50_000
+
+
+def sympy_caches_widened() -> None:
+    """sympy's caches (``sympy.core.cache.CACHE``, one ``lru_cache`` per cached function, of
+    ``SYMPY_CACHE_SIZE`` entries) made :data:`_SYMPY_CACHE_ENTRIES` deep for the rest of the
+    process, their entries dropped once: symbolic sizes are sympy expressions, and torch.export
+    builds the same ones over and over within a trace and from one trace of a model to the next.
+    Nothing changes when the user set ``SYMPY_CACHE_SIZE`` or turned the cache off, nor for a
+    cache already as deep.  What a cached function returns does not depend on the cache."""
+    if "SYMPY_CACHE_SIZE" in os.environ:
+        return
+    from sympy.core.cache import CACHE
+
+    for cached in CACHE:
+        cell = dict(zip(cached.__code__.co_freevars, cached.__closure__ or ())).get("cfunc")
+        memo = getattr(cell, "cell_contents", None)
+        if cell is None or not isinstance(memo, functools._lru_cache_wrapper):
+            continue
+        depth = memo.cache_parameters()["maxsize"]
+        if depth is None or depth >= _SYMPY_CACHE_ENTRIES:
+            continue
+        wider = functools.lru_cache(_SYMPY_CACHE_ENTRIES, typed=True)(memo.__wrapped__)
+        cell.cell_contents = wider
+        cached.cache_info, cached.cache_clear = wider.cache_info, wider.cache_clear
 
 
 class _Frame(NamedTuple):

@@ -65,6 +65,47 @@ def timed_out(group: ModelGroup, settings: CheckSettings, stage: Stage) -> Model
                       reason=f"timed out after {settings.timeout:g} s during {stage}")
 
 
+def family(group: ModelGroup) -> str:
+    """The family of a group's model: the module its class is defined in (the same code: a
+    process's first trace of one of them costs about twice the next, as torch and sympy warm up
+    on its expressions)."""
+    return type(group.module).__module__
+
+
+@dataclass(eq=False)
+class SharedQueue:
+    """Checks waiting their turn, in order, their next position and who took each in memory that
+    forked children share: each check is taken once, by this process (taker 0) or by a child
+    (its number)."""
+
+    checks: list[tuple[ModelGroup, Progress]]
+    _next: Any  # multiprocessing.Value, with its lock
+    _takers: Any  # multiprocessing.Array
+
+    @classmethod
+    def of(cls, checks: list[tuple[ModelGroup, Progress]]) -> SharedQueue:
+        context = multiprocessing.get_context("fork")
+        return cls(checks, context.Value("i", 0), context.Array("i", max(1, len(checks)), lock=False))
+
+    @property
+    def waiting(self) -> list[tuple[ModelGroup, Progress]]:
+        return self.checks[self._next.value:]
+
+    def take(self, taker: int, of_family: str | None = None) -> int | None:
+        """The position of the next check, now ``taker``'s; ``None`` when none waits or, given
+        ``of_family``, when the next is a model of another family."""
+        with self._next.get_lock():
+            position = self._next.value
+            if position >= len(self.checks) or of_family not in (None, family(self.checks[position][0])):
+                return None
+            self._next.value = position + 1
+            self._takers[position] = taker
+            return position
+
+    def taken_by(self, taker: int) -> list[int]:
+        return [p for p in range(self._next.value) if self._takers[p] == taker]
+
+
 # seconds between two wake-ups of the parent waiting for its children: a Ctrl-C whose signal
 # another thread took is only seen when the main thread runs Python again
 WAKE = 0.5
@@ -72,23 +113,19 @@ WAKE = 0.5
 
 @dataclass(eq=False)  # one per child: compared and found by identity
 class Child:
-    """Checks running in a forked child, one after the other (the first of ``checks`` runs):
-    their steps and results come through ``receiver``, each within ``timeout``."""
+    """A forked child checking models one after the other, each taken from ``queue`` as child
+    ``number``: the check it begins, its steps and its result come through ``receiver``, each
+    check within ``timeout``."""
 
-    checks: list[tuple[ModelGroup, Progress]]
+    queue: SharedQueue
+    number: int
     process: multiprocessing.process.BaseProcess
     receiver: Connection
     timeout: float | None
+    current: int | None = None  # the position of the check running
     deadline: float | None = None
     results: list[ModelResult] = field(default_factory=list)  # received, not yet taken
-
-    def __post_init__(self) -> None:
-        self._begin()
-
-    def _begin(self) -> None:
-        """The next check begins: its time and its time limit count from now."""
-        self.checks[0][1].begin = time.perf_counter()
-        self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+    finished: set[int] = field(default_factory=set)
 
     def read(self) -> bool:
         """Take one message from the child; ``False`` once it has nothing more to say."""
@@ -96,14 +133,17 @@ class Child:
             kind, value = self.receiver.recv()
         except EOFError:
             return False
-        tracker = self.checks[0][1]
-        if kind == "result":
+        if kind == "begin":  # its time and its time limit count from now
+            self.current = value
+            self.queue.checks[value][1].begin = time.perf_counter()
+            self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            return True
+        assert self.current is not None, f"{kind} of no check begun"
+        tracker = self.queue.checks[self.current][1]
+        if kind == "result":  # until the next begins, the child takes it or exits: no time limit
             self.results.append(tracker.done(ModelResult.from_json(value)))
-            self.checks.pop(0)
-            if self.checks:
-                self._begin()
-            else:  # every check done: the child only has to exit, which no time limit bounds
-                self.deadline = None
+            self.finished.add(self.current)
+            self.current = self.deadline = None
         else:
             tracker(Stage(value[0]), value[1])
         return True
@@ -121,26 +161,39 @@ class Child:
         return results
 
     def end(self) -> list[ModelResult]:
-        """Wait for the child to exit: the failure its death is for the check it was running,
-        if any (those it had not begun stay in ``checks``)."""
+        """Wait for the child to exit: a check it took and did not finish failed with its death."""
         self.process.join()
         self.receiver.close()
-        if not self.checks:
-            return []
-        group, tracker = self.checks.pop(0)
         reason = f"the isolated check process died ({exit_reason(self.process.exitcode)})"
-        return [tracker.done(unfinished(group, stage=Stage.ISOLATE, kind=Kind.ERROR, reason=reason))]
+        return self._unfinished(lambda group, stage: unfinished(group, stage=Stage.ISOLATE, kind=Kind.ERROR,
+                                                                reason=reason))
 
     def kill_timed_out(self, settings: CheckSettings) -> list[ModelResult]:
         """Kill the child: the check it was running is out of time."""
         self.kill()
-        group, tracker = self.checks.pop(0)
-        return [tracker.done(timed_out(group, settings, tracker.stage))]
+        return self._unfinished(lambda group, stage: timed_out(group, settings, stage))
+
+    def interrupted(self) -> list[ModelResult]:
+        """Kill the child (Ctrl-C): the checks it took are interrupted."""
+        self.kill()
+        return self._unfinished(lambda group, stage: interrupted(group, stage))
 
     def kill(self) -> None:
         self.process.kill()
         self.process.join()
         self.receiver.close()
+
+    def _unfinished(self, result: Callable[[ModelGroup, Stage], ModelResult]) -> list[ModelResult]:
+        """For each check the child took and did not finish (the one it was running), ``result``
+        of its model and the stage it reached."""
+        lost = []
+        for position in self.queue.taken_by(self.number):
+            if position not in self.finished:
+                group, tracker = self.queue.checks[position]
+                lost.append(tracker.done(result(group, tracker.stage)))
+                self.finished.add(position)
+        self.current = self.deadline = None
+        return lost
 
 
 def ended(running: list[Child], block: bool = True) -> list[tuple[Child, bool]]:

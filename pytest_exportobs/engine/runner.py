@@ -1,7 +1,7 @@
 """Check the groups within the session's time limit (``--export-timeout``): each in a forked child
-(``--export-isolate``), ``--export-jobs`` children at once (each a few models of one family in
-turn, without ``--export-isolate``), or one after the other in process (:mod:`.placement`
-decides which).
+(``--export-isolate``), ``--export-jobs`` children at once (without ``--export-isolate``, each
+takes the next waiting models of its family in turn), or one after the other in process
+(:mod:`.placement` decides which).
 
 Ctrl-C (``KeyboardInterrupt``) stops the checks at once (forked children are killed): the models
 being checked and those not begun are ``interrupted``.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import math
 import multiprocessing
 import os
 import signal
@@ -28,7 +27,7 @@ from ..observe.store import ModelGroup
 from .base.result import ModelResult
 from .base.settings import CheckSettings
 from .check import check_model, settled
-from .children import Child, Progress, ended, interrupted, timed_out, unfinished
+from .children import Child, Progress, SharedQueue, ended, family, interrupted, timed_out, unfinished
 from .explore.variations import prepare_variations
 from .export.pipeline import prepare
 from .export.warmup import warm_up
@@ -123,11 +122,11 @@ def _forked_phase(
             spilled.remove()
         yield from map(interrupted, groups + in_process)
         return
-    here = _Here([(g, trackers[id(g)]) for g in in_process], cores)
+    here = _Here(SharedQueue.of([(g, trackers[id(g)]) for g in in_process]), cores)
     with _heap_frozen(), _threads_kept():
         try:
-            yield from _forked(groups, settings, [trackers[id(g)] for g in groups], jobs, spilled, here,
-                               1 if isolate else _CHUNK)
+            yield from _forked(SharedQueue.of([(g, trackers[id(g)]) for g in groups]), settings, jobs, spilled,
+                               here, isolate)
         finally:
             if spilled is not None:
                 spilled.remove()
@@ -169,7 +168,7 @@ def _heap_frozen() -> Iterator[None]:
 def _in_turn(groups: list[ModelGroup], settings: CheckSettings, trackers: list[Progress]) -> Iterator[ModelResult]:
     for position, (group, tracker) in enumerate(zip(groups, trackers)):
         try:
-            result = _checked_here(group, settings, tracker)
+            result = _checked_here(group, tracker, settings)
         except KeyboardInterrupt:
             yield interrupted(group, tracker.stage)
             yield from map(interrupted, groups[position + 1:])
@@ -177,7 +176,7 @@ def _in_turn(groups: list[ModelGroup], settings: CheckSettings, trackers: list[P
         yield result
 
 
-def _checked_here(group: ModelGroup, settings: CheckSettings, tracker: Progress) -> ModelResult:
+def _checked_here(group: ModelGroup, tracker: Progress, settings: CheckSettings) -> ModelResult:
     """``group`` checked in this process within the time limit (Ctrl-C goes through)."""
     tracker.begin = time.perf_counter()
     try:
@@ -190,110 +189,110 @@ def _checked_here(group: ModelGroup, settings: CheckSettings, tracker: Progress)
 
 @dataclass
 class _Here:
-    """The checks to run in this process while forked ones run, on the cores no child takes."""
+    """The checks to run in this process while forked ones run, on the cores no child takes (a
+    forked helper may take some of them too)."""
 
-    checks: list[tuple[ModelGroup, Progress]]
+    queue: SharedQueue
     cores: _Cores
 
-    def next_check(self, children: int) -> tuple[ModelGroup, Progress]:
-        """The next check, torch's threads set to the cores ``children`` leave."""
+    def take(self, children: int) -> tuple[ModelGroup, Progress] | None:
+        """The next check, torch's threads set to the cores ``children`` leave; ``None`` when a
+        helper took the last."""
         torch.set_num_threads(self.cores.threads(children))
-        return self.checks.pop(0)
+        position = self.queue.take(0)
+        return None if position is None else self.queue.checks[position]
 
 
 # the forked checks at least for a warm-up in the parent (under a second, before any child starts)
 # to save the children clearly more than it costs (about 0.5 s each, two children at once)
 _WARMED = 8
 
-# the checks in process left at least, for half of them to go to a forked helper when no check
-# waits to be forked: a fork costs about what two such checks do (timm's rerun)
+# the checks in process left at least, for a forked helper to share them with this process when
+# no check waits to be forked: a fork costs about what two such checks do (timm's rerun)
 _HELPED = 8
-
-# the forked checks one child takes in turn at most: after its first, a model of the family
-# traces warm (Swin: 6 s the first trace in a process, 2.5-3.5 s the next, of any Swin class)
-_CHUNK = 4
 
 
 def _forked(
-    groups: list[ModelGroup], settings: CheckSettings, trackers: list[Progress], jobs: int,
-    spilled: SpilledWeights | None, here: _Here, chunk: int,
+    forked: SharedQueue, settings: CheckSettings, jobs: int, spilled: SpilledWeights | None, here: _Here,
+    isolate: bool,
 ) -> Iterator[ModelResult]:
-    """Check the groups in forked children, ``jobs`` at once, each child up to ``chunk`` of them in
-    turn (see :func:`_chunk`): a native crash fails its model, not the session, and the child's
-    checks not begun are forked again.  A child is killed when its time is up or the session is
-    interrupted.  The weights ``spilled`` to disk are restored in each child, each group's for
-    its check.  The checks ``here`` run in this process meanwhile, one job's place taken from the
-    children until they are done (a rerun's checks the export cache serves beside the forked
-    checks of its largest models); once no check waits to be forked, a forked helper takes half
-    of those left."""
-    waiting = list(zip(groups, trackers))
-    local = here.checks
+    """Check the groups ``forked`` in forked children, ``jobs`` at once: a child takes the next
+    waiting check and, after each, the next again while it is a model of its family (one
+    process's first trace of a family costs about twice the next: Swin's 6 s, then 2.5-3.5 s of
+    any Swin class), or only its first when ``isolate``.  A native crash fails its model, not the
+    session.  A child is killed when its check's time is up or the session is interrupted.  The
+    weights ``spilled`` to disk are restored in each child, each group's for its check.  The
+    checks ``here`` run in this process meanwhile, one job's place taken from the children until
+    they are done (a rerun's checks the export cache serves beside the forked checks of its
+    largest models); once no check waits to be forked, a forked helper takes its share of those
+    left."""
+    local = here.queue
+    numbers = itertools.count(1)
     running: list[Child] = []
-    helpers: list[Child] = []
-    current: tuple[ModelGroup, Progress] | None = None
+    current: tuple[ModelGroup, Progress] | None = None  # the check in this process
     try:
-        while waiting or running or local:
-            while waiting and len(running) < max(1, jobs - bool(local)):
-                taken = _chunk(waiting, jobs, chunk)
-                started = _start(taken, settings, spilled)
-                del waiting[:len(taken)]  # only now: a Ctrl-C while starting leaves them waiting
-                if isinstance(started, Child):
-                    running.append(started)
-                    continue
-                for group, tracker in taken:
-                    yield tracker.done(unfinished(group, stage=Stage.ISOLATE, kind=Kind.ENVIRONMENT,
-                                                  reason=f"could not start the isolated check process: {started}"))
-            if not waiting and len(local) >= _HELPED and len(running) < jobs - 1:
-                if isinstance(helper := _start(local[len(local) // 2:], settings, spilled), Child):
-                    del local[len(local) // 2:]
-                    running.append(helper)
-                    helpers.append(helper)
-            if local:
-                current = group, tracker = here.next_check(len(running))
-                result = _checked_here(group, settings, tracker)
+        while forked.waiting or running or local.waiting:
+            while forked.waiting and len(running) < max(1, jobs - bool(local.waiting)):
+                yield from _started(forked, next(numbers), (lambda _: None) if isolate else family, settings,
+                                    spilled, running)
+            if not forked.waiting and len(local.waiting) >= _HELPED and len(running) < jobs - 1:
+                yield from _started(local, next(numbers), lambda _: _ANY, settings, spilled, running)
+            if (current := here.take(len(running))) is not None:
+                result = _checked_here(*current, settings)
                 current = None
                 yield result
-            finished = ended(running, block=not local) if running else []
+            finished = ended(running, block=not local.waiting) if running else []
             for child in running:
                 yield from child.taken()
             for child, late in finished:
                 running.remove(child)
                 yield from child.kill_timed_out(settings) if late else child.end()
-                if child in helpers:
-                    local.extend(child.checks)  # a helper's checks not begun: checked here
-                else:
-                    waiting[:0] = child.checks  # those of a child that died or ran out of time: forked again
     except KeyboardInterrupt:
         for child in running:
-            child.kill()
             yield from child.taken()
-            yield from (interrupted(g, t.stage if i == 0 else "") for i, (g, t) in enumerate(child.checks))
+            yield from child.interrupted()
         if current is not None:
             yield interrupted(current[0], current[1].stage)
-        yield from (interrupted(g) for g, _ in [*waiting, *local])
+        yield from (interrupted(g) for g, _ in [*forked.waiting, *local.waiting])
 
 
-def _chunk(
-    waiting: list[tuple[ModelGroup, Progress]], jobs: int, most: int,
-) -> list[tuple[ModelGroup, Progress]]:
-    """The checks the next child takes in turn: the first waiting and those right after it of
-    models of its family (their classes defined in one module: the same code, its first trace in
-    a process about twice the next ones, as torch and the model's code warm up: Swin's), in the
-    order the checks wait (the most expensive first: none is taken ahead of its turn), at most
-    ``most`` and at most the child's share of what waits, so that the last checks spread over
-    the children."""
-    family = type(waiting[0][0].module).__module__
-    size = min(most, math.ceil(len(waiting) / jobs))
-    return list(itertools.takewhile(lambda check: type(check[0].module).__module__ == family, waiting[:size]))
+def _started(
+    queue: SharedQueue, number: int, follows: Callable[[ModelGroup], str | None], settings: CheckSettings,
+    spilled: SpilledWeights | None, running: list[Child],
+) -> Iterator[ModelResult]:
+    """Child ``number`` forked for the next check of ``queue`` and added to ``running``, to take
+    after it the next checks of the family ``follows`` gives that check's group (see
+    :func:`_start`); the failure of that check when no process can be forked (nothing when none
+    waits), its interruption when Ctrl-C comes while the child starts."""
+    if (position := queue.take(number)) is None:  # a child took the last
+        return
+    group, tracker = queue.checks[position]
+    try:
+        started = _start(queue, position, number, follows(group), settings, spilled)
+    except KeyboardInterrupt:
+        yield interrupted(group)
+        raise
+    if isinstance(started, Child):
+        running.append(started)
+    else:
+        yield tracker.done(unfinished(group, stage=Stage.ISOLATE, kind=Kind.ENVIRONMENT,
+                                      reason=f"could not start the isolated check process: {started}"))
+
+
+_ANY = "*"  # a child that takes after its first check the next of any family
 
 
 def _start(
-    checks: list[tuple[ModelGroup, Progress]], settings: CheckSettings, spilled: SpilledWeights | None,
+    queue: SharedQueue, first: int, number: int, follows: str | None, settings: CheckSettings,
+    spilled: SpilledWeights | None,
 ) -> Child | str:
-    """Fork the child that checks ``checks`` in turn; why it cannot be started, when it cannot."""
+    """Fork child ``number`` to check ``queue``'s check at position ``first`` (taken for it), then
+    each next waiting check of the family ``follows`` (:data:`_ANY`: of any; ``None``: none); why
+    it cannot be started, when it cannot."""
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=([g for g, _ in checks], settings, sender, spilled), daemon=True)
+    process = context.Process(target=_child, args=(queue, first, number, follows, settings, sender, spilled),
+                              daemon=True)
     try:
         process.start()
     except OSError as e:
@@ -301,22 +300,27 @@ def _start(
         return str(e)
     finally:
         sender.close()
-    return Child(list(checks), process, receiver, settings.timeout)
+    return Child(queue, number, process, receiver, settings.timeout)
 
 
 def _child(
-    groups: list[ModelGroup], settings: CheckSettings, sender: Connection, spilled: SpilledWeights | None,
+    queue: SharedQueue, first: int, number: int, follows: str | None, settings: CheckSettings,
+    sender: Connection, spilled: SpilledWeights | None,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to answer: it kills this process
     # one thread: GNU OpenMP (torch's) is not fork-safe, a parallel region of more threads waits
     # forever for the parent's thread team (the tests' models made it), which fork did not copy
     torch.set_num_threads(1)
-    for group in groups:
+    position: int | None = first
+    while position is not None:
+        group = queue.checks[position][0]
+        sender.send(("begin", position))
         if spilled is not None:
             spilled.restore(group)
         result = check_model(group, settings, lambda stage, graph: sender.send(("step", (stage.value, graph))))
         sender.send(("result", result.to_json()))
-        if group is not groups[-1]:  # the next check's memory without this one's weights and garbage
+        position = None if follows is None else queue.take(number, None if follows == _ANY else follows)
+        if position is not None:  # the next check's memory without this one's weights and garbage
             if spilled is not None:
                 spilled.release(group)
             gc.collect()

@@ -11,8 +11,6 @@ import atexit
 import contextlib
 import functools
 import gc
-import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,33 +25,6 @@ role_key = pytest.StashKey[Any]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
-
-
-# entries of each of sympy's caches (its default: 1000): torch.export's symbolic sizes evaluate the
-# same expressions over and over in a trace, and a check traces a graph more than once (torch's
-# suggested fixes, bounds, the graphs of one model); a quarter less of a windowed model's tracing
-SYMPY_CACHE_SIZE = "10000"
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    """With the check on, sympy's caches are made larger, before a conftest imports it (through
-    torch's models): sympy reads their size once, when imported.  A size the environment sets
-    already is kept."""
-    if not _check_asked(early_config) or "sympy" in sys.modules:
-        return
-    os.environ.setdefault("SYMPY_CACHE_SIZE", SYMPY_CACHE_SIZE)
-
-
-def _check_asked(early_config: pytest.Config) -> bool:
-    """``--export-check`` or ini ``export_check``, read before the options are (at this point,
-    pytest has parsed only the arguments it knows of)."""
-    if getattr(early_config.known_args_namespace, "export_check", None):
-        return True
-    try:
-        return bool(early_config.getini("export_check"))
-    except ValueError:  # an ini value that is no bool: the options' reading reports it
-        return False
 
 
 def pytest_configure(config: pytest.Config) -> None:

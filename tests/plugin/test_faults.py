@@ -168,17 +168,20 @@ def forked_group(name: str) -> ModelGroup:
 def test_a_child_whose_checks_are_done_is_not_late_while_it_exits() -> None:
     """The last result came in time, then the time limit passed before the child's pipe closed:
     nothing is out of time (a check to blame no longer exists)."""
-    from pytest_exportobs.engine.children import Child, Progress, ended
+    from pytest_exportobs.engine.children import Child, Progress, SharedQueue, ended
 
     group = forked_group("done")
+    queue = SharedQueue.of([(group, Progress("exportobs [1/1] done", None))])
     receiver, sender = multiprocessing.get_context("fork").Pipe(duplex=False)
-    child = Child([(group, Progress("exportobs [1/1] done", None))], process=None, receiver=receiver,  # type: ignore[arg-type]
-                  timeout=0.05)
+    assert queue.take(1) == 0  # child 1 takes the check
+    child = Child(queue, 1, process=None, receiver=receiver, timeout=0.05)  # type: ignore[arg-type]
+    sender.send(("begin", 0))
     sender.send(("result", ModelResult(name="done", verdict=Verdict.PASSED).to_json()))
     time.sleep(0.1)  # past the time limit, the pipe still open: the child is exiting
     try:
         assert ended([child], block=False) == []
-        assert [(r.name, r.verdict) for r in child.taken()] == [("done", "passed")] and child.checks == []
+        assert [(r.name, r.verdict) for r in child.taken()] == [("done", "passed")]
+        assert child.current is None and child.deadline is None and queue.waiting == []
     finally:
         sender.close()
         receiver.close()
@@ -222,7 +225,8 @@ def test_ctrl_c_while_a_child_starts_leaves_its_model_interrupted(
     start = fork.start
 
     def start_or_interrupt(process: multiprocessing.process.BaseProcess) -> None:
-        if process._args[0][0].name == "second":  # the first (here: only) group the child would check
+        queue, first = process._args[:2]
+        if queue.checks[first][0].name == "second":  # the group the child would check first
             raise KeyboardInterrupt
         start(process)
 

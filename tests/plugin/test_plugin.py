@@ -233,29 +233,6 @@ def test_nothing_happens_without_the_flag(pytester: pytest.Pytester) -> None:
     assert not (pytester.path / ".exportobs").exists()
 
 
-SYMPY_CACHE_TEST = '''
-import os
-
-def test_sympy_cache_size():
-    import sympy.core.cache
-    assert sympy.core.cache.SYMPY_CACHE_SIZE == int(os.environ["EXPECTED"])
-'''
-
-
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--export-check"], "10000"),  # torch.export evaluates the same symbolic sizes over and over
-    ([], "1000"),  # sympy's own default: the plugin changes nothing without the check
-    (["-o", "export_check=true"], "10000"),
-], ids=["check", "no-check", "ini"])
-def test_sympy_keeps_more_of_torch_exports_expressions_when_models_are_checked(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, args: list[str], expected: str,
-) -> None:
-    monkeypatch.delenv("SYMPY_CACHE_SIZE", raising=False)
-    monkeypatch.setenv("EXPECTED", expected)
-    pytester.makepyfile(test_sympy=SYMPY_CACHE_TEST)
-    pytester.runpytest_subprocess("-p", "no:cacheprovider", *args).assert_outcomes(passed=1)
-
-
 def test_loading_the_plugin_imports_no_heavy_module() -> None:
     code = (
         "import sys, pytest_exportobs.plugin;"

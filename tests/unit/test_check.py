@@ -20,6 +20,7 @@ import torch
 
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.core.vocabulary import Target
+from pytest_exportobs.engine.base.result import ModelResult
 from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.engine.export import cache, digests
@@ -1684,7 +1685,8 @@ def test_forked_checks_settle_groups_with_nothing_to_export_in_process(
     from pytest_exportobs.engine import runner
 
     forked: list[str] = []
-    monkeypatch.setattr(runner, "_forked", lambda groups, *rest: forked.extend(g.name for g in groups) or iter(()))
+    monkeypatch.setattr(runner, "_forked",
+                        lambda queue, *rest: forked.extend(g.name for g, _ in queue.checks) or iter(()))
     monkeypatch.setattr(runner, "prepare", lambda *args: None)
     on_meta = observed(MLP().to("meta"), (torch.randn(2, 8, device="meta"),), name="on_meta")
     checked = [observed(MLP().eval(), (torch.randn(2, 8),), name=f"mlp{i}") for i in range(2)]
@@ -1720,7 +1722,8 @@ def test_forked_checks_begin_with_the_most_expensive(tmp_path: Path, monkeypatch
     larger = observed(_Scaled().eval(), (torch.randn(2, 8),), name="larger")
     assert [placement.expected_cost(g) for g in (small, larger, two_graphs)] == [3, 4, 8]
     started: list[str] = []
-    monkeypatch.setattr(runner, "_forked", lambda groups, *rest: started.extend(g.name for g in groups) or iter(()))
+    monkeypatch.setattr(runner, "_forked",
+                        lambda queue, *rest: started.extend(g.name for g, _ in queue.checks) or iter(()))
     monkeypatch.setattr(runner, "prepare", lambda *args: None)
     assert list(runner.check_all([small, two_graphs, larger], settings(tmp_path), isolate=False, jobs=2)) == []
     assert started == ["scaled", "larger", "small"]
@@ -1744,7 +1747,8 @@ def test_checks_the_export_cache_served_last_time_run_in_process_and_others_are_
     assert sorted((r.name, r.verdict) for r in first) == [("mlp0", "passed"), ("mlp1", "passed"), ("scaled", "passed")]
     assert len(list(checked.cache_dir.glob("check-*.json"))) == 3
     forked: list[str] = []
-    monkeypatch.setattr(runner, "_forked", lambda chosen, *rest: forked.extend(g.name for g in chosen) or iter(()))
+    monkeypatch.setattr(runner, "_forked",
+                        lambda queue, *rest: forked.extend(g.name for g, _ in queue.checks) or iter(()))
     monkeypatch.setattr(runner, "prepare", lambda *args: None)
     lines: list[str] = []
     rerun = list(runner.check_all(groups(4), checked, isolate=False, jobs=2, progress=lines.append))
@@ -1797,8 +1801,8 @@ def test_checks_in_process_run_beside_the_forked_ones_on_the_cores_they_leave(
         return check_model(group, check_settings, *progress)
 
     monkeypatch.setattr(runner, "check_model", counting)
-    monkeypatch.setattr(runner, "_start", lambda checks, *rest: started.extend(g.name for g, _ in checks)
-                        or start(checks, *rest))
+    monkeypatch.setattr(runner, "_start", lambda queue, first, *rest: started.append(queue.checks[first][0].name)
+                        or start(queue, first, *rest))
     previous = torch.get_num_threads()
     results = list(runner.check_all(groups, checked, isolate=False, jobs=2, threads=2))
     assert sorted((r.name, r.verdict) for r in results) == [("mlp0", "passed"), ("mlp1", "passed"),
@@ -1837,9 +1841,9 @@ def test_checks_in_process_go_on_after_the_forked_ones_ended(tmp_path: Path, mon
     assert [(r.name, r.verdict) for r in results] == [("mlp0", "passed"), ("wider", "passed"), ("mlp1", "passed")]
 
 
-def test_a_forked_helper_takes_half_the_checks_in_process_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rerun of ten small models the export cache serves: four go to one forked helper, checked
-    in turn there while this process checks the five others on the job left to it."""
+def test_a_forked_helper_shares_the_checks_in_process_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun of ten small models the export cache serves: one forked helper and this process
+    (on the job left to it) take them in turn from one queue, each model checked once."""
     from pytest_exportobs.engine import runner
 
     def groups() -> list[ModelGroup]:
@@ -1853,19 +1857,30 @@ def test_a_forked_helper_takes_half_the_checks_in_process_left(tmp_path: Path, m
     def counting(group: ModelGroup, check_settings: CheckSettings, *progress: Any) -> Any:
         if os.getpid() == parent:
             threads_here.append(torch.get_num_threads())
-        return check_model(group, check_settings, *progress)
+        return _with_pid(check_model(group, check_settings, *progress))
 
-    monkeypatch.setattr(runner, "_start", lambda checks, *rest: forks.append([g.name for g, _ in checks])
-                        or start(checks, *rest))
+    monkeypatch.setattr(runner, "_start", lambda queue, first, *rest: forks.append(queue.checks[first][0].name)
+                        or start(queue, first, *rest))
     monkeypatch.setattr(runner, "check_model", counting)
     lines: list[str] = []
     results = list(runner.check_all(groups(), checked, isolate=False, jobs=2, threads=1, progress=lines.append))
     assert sorted((r.name, r.verdict) for r in results) == [(f"mlp{i}", "passed") for i in range(10)]
     assert all("export cache hit: torch.export and translation skipped" in r.notes for r in results)
-    assert forks == [["mlp5", "mlp6", "mlp7", "mlp8", "mlp9"]] and threads_here[0] == 1
-    assert len(threads_here) == 5  # mlp0 .. mlp4 here
+    helper = {r.name for r in results if _pid(r) != parent}
+    assert forks == ["mlp0"] and "mlp0" in helper and threads_here[0] == 1  # the helper takes the first
+    assert len(threads_here) == 10 - len(helper) and {_pid(r) for r in results if r.name in helper} != {parent}
     assert sorted(line.split(": ")[0] for line in lines if " passed in " in line) == sorted(
         f"exportobs [{i + 1}/10] mlp{i}" for i in range(10))
+
+
+def _with_pid(result: ModelResult) -> ModelResult:
+    """``result`` noting the process that checked it."""
+    result.model_notes.append(f"pid {os.getpid()}")
+    return result
+
+
+def _pid(result: ModelResult) -> int:
+    return next(int(note.split()[1]) for note in result.notes if note.startswith("pid "))
 
 
 def test_ctrl_c_in_a_check_in_process_kills_the_forked_ones_beside_it(
@@ -1991,38 +2006,39 @@ class _Exiting(torch.nn.Module):
         return x * 2
 
 
-def test_forked_checks_of_one_family_share_a_child_and_a_crash_forks_the_rest_again(
+def test_a_child_takes_the_next_checks_of_its_family_and_a_crash_fails_only_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Models whose classes one module defines are checked in turn in one child (the first trace
-    in a process costs about twice the next); a child that dies fails the model it was checking,
-    and the models it had not begun are forked again; with ``isolate`` each has a child of its own."""
+    """A forked child takes the next waiting check after each of its own while it is a model of
+    its family (classes one module defines: a process's first trace of them costs about twice the
+    next); a child that dies fails the model it was checking, the others are checked by the
+    children after it; with ``isolate`` each model has a child of its own."""
     from pytest_exportobs.engine import runner
 
-    started: list[list[str]] = []
+    parent, started = os.getpid(), []
     start = runner._start
-
-    def recorded(checks: list, *rest: Any) -> Any:
-        started.append([group.name for group, _ in checks])
-        return start(checks, *rest)
-
-    monkeypatch.setattr(runner, "_start", recorded)
+    monkeypatch.setattr(runner, "_start", lambda queue, first, *rest: started.append(queue.checks[first][0].name)
+                        or start(queue, first, *rest))
+    monkeypatch.setattr(runner, "check_model", lambda *args: _with_pid(check_model(*args)))
     groups = [observed(_Exiting().eval(), (torch.randn(2, 8),), name="exiting"),
               *(observed(_Scaled().eval(), (torch.randn(2, 8),), (torch.randn(3, 8),), name=f"scaled{i}")
-                for i in range(3)),
+                for i in range(6)),
               observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),), name="mlp")]
     results = {r.name: r for r in runner.check_all(groups, settings(tmp_path), isolate=False, jobs=2)}
-    assert sorted(results) == ["exiting", "mlp", "scaled0", "scaled1", "scaled2"]
+    scaled_names = [f"scaled{i}" for i in range(6)]
+    assert sorted(results) == ["exiting", "mlp", *scaled_names]
     assert (results["exiting"].verdict, results["exiting"].kind, results["exiting"].reason) == (
         "failed", "error", "the isolated check process died (exit code 3)")
-    assert all(results[name].verdict == "passed" for name in ("mlp", "scaled0", "scaled1", "scaled2"))
-    # the most expensive first, with the next of its family: 3 at most (5 waiting, 2 jobs) and at
-    # most runner._CHUNK; those the dead child had not begun forked again
-    first = ["exiting", "scaled0", "scaled1"][:min(runner._CHUNK, 3)]
-    assert len(first) > 1 and started[0] == first
-    assert all(len({name == "mlp" for name in chunk}) == 1 for chunk in started)  # one family each
-    assert sorted(name for chunk in started for name in chunk) == sorted(
-        ["exiting", "mlp", "scaled0", "scaled1", "scaled2", *first[1:]])
+    assert all(results[name].verdict == "passed" for name in ("mlp", *scaled_names))
+    # the most expensive first; after it, at most two children (two jobs) check the six scaled
+    # models (of one family) in turn, and none of them the MLP (another family)
+    assert started[:2] == ["exiting", "scaled0"] and started[2:] in (["mlp"], ["scaled1", "mlp"])
+    scaled = [_pid(results[name]) for name in scaled_names]
+    assert len(set(scaled)) <= 2 and _pid(results["mlp"]) not in scaled and parent not in scaled
+    assert len(started) == 2 + len(set(scaled)) == len({*scaled, _pid(results["mlp"])}) + 1
     started.clear()
     isolated = list(runner.check_all(groups[1:], settings(tmp_path / "isolated"), isolate=True, jobs=2))
-    assert [r.verdict for r in isolated] == ["passed"] * 4 and all(len(chunk) == 1 for chunk in started)
+    assert [r.verdict for r in isolated] == ["passed"] * 7 and len({_pid(r) for r in isolated}) == 7
+    assert sorted(started) == ["mlp", *scaled_names]
+
+

@@ -9,6 +9,9 @@ import importlib.util
 import inspect
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import traceback
 from collections import Counter
@@ -23,7 +26,7 @@ from torch._subclasses.fake_impls import get_fast_op_impls
 from torch.utils._traceback import CapturedTraceback
 
 from pytest_exportobs.compat.hypothesis_private import collect_local_constants
-from pytest_exportobs.compat.lean_tracing import dispatches_cached, lean_tracing
+from pytest_exportobs.compat.lean_tracing import dispatches_cached, lean_tracing, sympy_caches_widened
 from pytest_exportobs.compat.onnxruntime_text import failing_node, kernel_lacked, lacks_kernel
 from pytest_exportobs.compat.onnxscript_private import rules_tried_by_root_op
 from pytest_exportobs.compat.torch_private import (
@@ -275,6 +278,40 @@ def _fake_dispatches() -> int:
 
     info = FakeTensorMode.cache_info()
     return info.hits + info.misses
+
+
+_CACHE_DEPTHS = """
+import sympy
+from sympy.core.operations import AssocOp
+from pytest_exportobs.compat.lean_tracing import lean_tracing
+before = AssocOp.__new__.cache_info().maxsize
+with lean_tracing():
+    pass
+x = sympy.Symbol("x", integer=True)
+total = x + 2 * x + 1
+assert x + 2 * x + 1 is total  # served by the cache
+print(before, AssocOp.__new__.cache_info().maxsize, AssocOp.__new__.cache_info().hits > 0)
+"""
+
+
+@pytest.mark.parametrize(("environment", "depths"),
+                         [({}, "1000 50000 True"), ({"SYMPY_CACHE_SIZE": "300"}, "300 300 True")])
+def test_lean_tracing_widens_sympys_caches_unless_the_user_sized_them(environment: dict[str, str], depths: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SYMPY_CACHE_SIZE"} | environment
+    done = subprocess.run([sys.executable, "-c", _CACHE_DEPTHS], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == depths.split()
+
+
+def test_sympys_widened_caches_return_what_the_functions_compute() -> None:
+    sympy_caches_widened()
+    sympy_caches_widened()  # once is enough: a second call changes nothing
+    from sympy.core.cache import CACHE
+
+    cached = [c for c in CACHE if c.__name__ == "__new__" and c.__qualname__ == "AssocOp.__new__"]
+    assert [c.cache_info().maxsize for c in cached] == [50_000]
+    side = sympy.Symbol("side", integer=True, positive=True)
+    padded = (side + 1) // 2 * 2
+    assert padded.subs(side, 7) == 8 and sympy.expand(padded + side - side) == padded
 
 
 def test_lean_tracing_traces_the_same_program_without_dispatch_cache_pytests_handlers_or_symbolized_stacks() -> None:
