@@ -80,7 +80,7 @@ def lean_tracing() -> Iterator[None]:
 
 # entries per cached sympy function for the checks (sympy's default: 1000).  A Swin's trace
 # builds about 8000 distinct sums and products: with 1000 the cache of ``AssocOp.__new__`` turns
-# over within a trace and a second trace of the model builds 3800 of them again (2.7 s -> 2.1 s).
+# over within a trace and a second trace of the model builds 3800 of them again (2.7 s -> 1.9 s).
 _SYMPY_CACHE_ENTRIES = 50_000
 
 

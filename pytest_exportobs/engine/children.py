@@ -173,10 +173,10 @@ class Child:
         self.kill()
         return self._unfinished(lambda group, stage: timed_out(group, settings, stage))
 
-    def interrupted(self) -> list[ModelResult]:
-        """Kill the child (Ctrl-C): the checks it took are interrupted."""
+    def kill_interrupted(self) -> list[ModelResult]:
+        """Kill the child (Ctrl-C): the check it was running is interrupted."""
         self.kill()
-        return self._unfinished(lambda group, stage: interrupted(group, stage))
+        return self._unfinished(interrupted)
 
     def kill(self) -> None:
         self.process.kill()

@@ -103,7 +103,7 @@ def _forked_phase(
     jobs: int, cores: _Cores, translating: bool, isolate: bool,
 ) -> Iterator[ModelResult]:
     """The forked checks, their weights spilled to disk meanwhile, and the checks ``in_process``
-    in this process while they run (half of them in a forked helper, when enough are left);
+    in this process while they run (shared with a forked helper, when enough are left);
     ``translating``: some of them are expected to translate graphs (not served by the cache);
     ``isolate``: each forked check in a child of its own."""
     spilled = None
@@ -237,7 +237,7 @@ def _forked(
                                     spilled, running)
             if not forked.waiting and len(local.waiting) >= _HELPED and len(running) < jobs - 1:
                 yield from _started(local, next(numbers), lambda _: _ANY, settings, spilled, running)
-            if (current := here.take(len(running))) is not None:
+            if local.waiting and (current := here.take(len(running))) is not None:
                 result = _checked_here(*current, settings)
                 current = None
                 yield result
@@ -250,7 +250,7 @@ def _forked(
     except KeyboardInterrupt:
         for child in running:
             yield from child.taken()
-            yield from child.interrupted()
+            yield from child.kill_interrupted()
         if current is not None:
             yield interrupted(current[0], current[1].stage)
         yield from (interrupted(g) for g, _ in [*forked.waiting, *local.waiting])
