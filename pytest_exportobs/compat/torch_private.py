@@ -15,31 +15,54 @@ import contextlib
 import functools
 import importlib
 import inspect
+import sys
 from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch._dynamo.exc import UserError as ExportUserError
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .traced_ir import as_translatable, promote_types
 
 __all__ = [
-    "DEFERRED_ASSERTS", "ExportUserError", "FakeTensor", "deregister_pytree_node", "drop_runtime_asserts",
-    "flat_call_spec",
+    "deregister_pytree_node", "drop_runtime_asserts", "flat_call_spec", "is_fake_tensor",
     "import_export_machinery", "onnx_registry", "prepare_for_onnx", "register_translations",
     "rename_onnx_axes", "rnn_while_loops", "size_oblivious", "sympy_functions", "taken_as_traced",
     "to_onnx_program", "translated_ops", "unchecked_module", "upper_bounded",
 ]
 
-# torch.onnx.export's guards that can wait become runtime asserts (a GRU's ``seq != 1``), where
-# torch takes the option: read from the function torch.export.export calls, not from whatever is
-# bound to that name when this is imported (a profiler's ``(*args, **kwargs)`` wrapper says
-# nothing of its options, and without them a Swin's padded sides are rejected, not asserted)
-DEFERRED_ASSERTS = "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(
-    importlib.import_module("torch.export._trace")._export).parameters
+
+
+def __getattr__(name: str) -> Any:
+    """The names that bring torch.export's machinery with them (dynamo, functorch, networkx: 400
+    modules, whose objects every full garbage collection of a test session would walk), imported
+    when first read: a session imports them for its checks, not while its tests run.
+
+    ``DEFERRED_ASSERTS``: torch.onnx.export's guards that can wait become runtime asserts (a GRU's
+    ``seq != 1``), where torch takes the option: read from the function torch.export.export
+    calls, not from whatever is bound to that name (a profiler's ``(*args, **kwargs)`` wrapper
+    says nothing of its options, and without them a Swin's padded sides are rejected, not
+    asserted).  ``ExportUserError``: what torch.export raises for rejected dims."""
+    if name == "DEFERRED_ASSERTS":
+        return _deferred_asserts()
+    if name == "ExportUserError":
+        return importlib.import_module("torch._dynamo.exc").UserError
+    if name == "FakeTensor":
+        return importlib.import_module("torch._subclasses.fake_tensor").FakeTensor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _deferred_asserts() -> bool:
+    return "prefer_deferred_runtime_asserts_over_guards" in inspect.signature(
+        importlib.import_module("torch.export._trace")._export).parameters
+
+
+def is_fake_tensor(value: Any) -> bool:
+    """Whether ``value`` is a fake tensor (none exists before torch imported them)."""
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(value, fake.FakeTensor)
 
 
 def deregister_pytree_node(cls: type) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..compat.torch_private import FakeTensor
+from ..compat.torch_private import is_fake_tensor
 
 _ONNX_ELEMENT_TYPES = {  # dtype name -> onnx.TensorProto data type
     "float32": 1,
@@ -98,7 +98,7 @@ class _Describer:
         if isinstance(obj, (set, frozenset)):
             return self._set(obj)
         if isinstance(obj, torch.Tensor):
-            return self._tensor(obj, "F" if isinstance(obj, FakeTensor) else "T")
+            return self._tensor(obj, "F" if is_fake_tensor(obj) else "T")
         numpy = sys.modules.get("numpy")
         if numpy is not None and isinstance(obj, numpy.ndarray):
             return self._array(obj)

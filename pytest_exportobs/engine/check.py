@@ -166,7 +166,7 @@ def _settled(group: ModelGroup, result: ModelResult) -> bool:
         _unobserved(result, recorder)
         return True
     on_meta = [on_meta_device(o) for o in recorder.observations]
-    if on_meta_device(group.module) or all(on_meta):
+    if group.kept.on_meta or all(on_meta):
         result.verdict, result.stage = Verdict.SKIPPED, Stage.OBSERVE
         result.reason = ("its calls ran on the meta device (shapes, no values): nothing to run eagerly, export or "
                          "compare" if all(on_meta) else "its weights are on the meta device (shapes, no values), moved "

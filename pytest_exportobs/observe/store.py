@@ -6,6 +6,7 @@ classes or parameter shapes, the groups are split and suffixed ``[ClassName-<dig
 explicit name covering such models is an error.  The first instance observed is kept: it is the
 one exported, and observations made on it with unchanged weights keep their recorded outputs as
 the reference, while the session's allowance for outputs lasts (a check recomputes the others).
+Once the tests no longer reach a kept instance, it is packed away (see :mod:`.kept`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import torch
 
 from ..core.configuration import computation, contract
 from ..core.trees import on_meta_device
+from .kept import KeptModule
 from .options import ObserveOptions
 from .recorder import CallRecorder, OutputAllowance
-from .weights import parameter_shapes, weights_digest
+from .weights import parameter_shapes
 
 # Memory bound: distinct call signatures kept per model over a session.  The first
 # ``store_n_calls`` of each test are kept up to MAX_ORDINARY; the rest is room for the calls that
@@ -43,25 +45,43 @@ class ModelGroup:
 
     name: str
     identity: str
-    module: torch.nn.Module
+    # the instance to export, with its parameters and buffers as first observed (what the calls
+    # made before a resize, resize_token_embeddings replacing the embeddings, are checked with)
+    kept: KeptModule
     options: ObserveOptions
     explicit: bool
     recorder: CallRecorder = field(default_factory=CallRecorder)
     sources: list[str] = field(default_factory=list)
     parameters: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # when first observed
-    # the parameters and buffers as first observed, by reference (no copy): what the calls made
-    # before a resize (resize_token_embeddings replaces the embeddings) are checked with
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.kept.module
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.kept.weights
 
     @property
     def model_class(self) -> str:
-        cls = type(self.module)
-        return f"{cls.__module__}.{cls.__qualname__}"
+        return f"{self.kept.cls.__module__}.{self.kept.cls.__qualname__}"
+
+    def on_kept(self, instance: int) -> bool:
+        """Whether a call recorded on ``instance`` (``Observation.instance``) was made on the kept module."""
+        return instance == self.kept.instance
 
     def is_reference_valid(self, instance: int, digest: int) -> bool:
         """Recorded outputs are the reference iff made on the kept instance with today's weights
         (the digest of its weights at the call, see :func:`~.weights.weights_digest`)."""
-        return instance == id(self.module) and digest == weights_digest(self.module)
+        return self.on_kept(instance) and digest == self.kept.digest()
+
+    def pack(self) -> None:
+        """Pack the kept module away (see :meth:`.kept.KeptModule.pack`); its recorded calls keep
+        saying they were made on it."""
+        made_here = [o for o in self.recorder.observations if self.on_kept(o.instance)]
+        if self.kept.pack():
+            for observation in made_here:
+                observation.instance = self.kept.instance
 
 
 def identity(module: torch.nn.Module) -> str:
@@ -117,9 +137,9 @@ class SessionStore:
             self._rename(base, next(iter(members)), f"{base}[{next(iter(members))}]")
         name = f"{base}[{ident}]" if members else base
         members[ident] = name
-        self.groups[name] = ModelGroup(name, ident, module, options, explicit,
+        self.groups[name] = ModelGroup(name, ident, KeptModule(module, held_weights(module)), options, explicit,
                                        CallRecorder(options.value_if_missing, MAX_OBSERVATIONS, self.allowance),
-                                       parameters=parameter_shapes(module), weights=held_weights(module))
+                                       parameters=parameter_shapes(module))
         return self.groups[name]
 
     def keys(self) -> dict[str, tuple[str, str]]:
@@ -150,17 +170,26 @@ class SessionStore:
         with group.recorder.recording(module, min(options.store_n_calls, room), options.method, source):
             yield group
 
-    def release_gradients(self, every_group: bool = False) -> None:
-        """Drop the gradients of the kept modules observed since the last call that nothing but
-        this store reaches any more (``every_group``: of every kept module, once the tests are
-        over).  A check never reads them; kept, a training test's gradients would double what its
-        model holds until the session ends, where the suite alone frees both after the test."""
-        if every_group:
-            released, self._observed = list(self.groups.values()), {}
-        else:
-            released = [g for g in self._observed.values() if sys.getrefcount(g.module) <= _HELD_HERE]
-            for group in released:
-                del self._observed[id(group)]
+    def put_away(self) -> None:
+        """After a test: the kept modules observed since the last call that nothing but this
+        store reaches any more lose their gradients and are packed.  A check never reads the
+        gradients; kept, a training test's would double what its model holds until the session
+        ends, where the suite alone frees both after the test."""
+        released = [g for g in self._observed.values() if g.kept.packed or sys.getrefcount(g.module) <= _HELD_HERE]
         for group in released:
-            for parameter in group.module.parameters():
-                parameter.grad = None
+            del self._observed[id(group)]
+            if not group.kept.packed:
+                _drop_gradients(group.module)
+                group.pack()
+
+    def release_gradients(self) -> None:
+        """Drop the gradients of every kept module not packed: the tests are over."""
+        self._observed = {}
+        for group in self.groups.values():
+            if not group.kept.packed:
+                _drop_gradients(group.module)
+
+
+def _drop_gradients(module: torch.nn.Module) -> None:
+    for parameter in module.parameters():
+        parameter.grad = None

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..compat.transformers_hooks import without_output_capturing_hooks
+from .kept import KeptModule
 from .options import ObserveOptions
 from .recorder import CallRecorder, Observation, signature_of
 from .store import MAX_OBSERVATIONS, MAX_ORDINARY, ModelGroup
@@ -69,8 +70,8 @@ def rebuilt(path: Path) -> ModelGroup:
     record: GroupRecord = torch.load(path, weights_only=False)
     recorder = CallRecorder(record.options.value_if_missing, capacity=MAX_OBSERVATIONS)
     recorder.signature = signature_of(getattr(record.module, record.options.method))
-    return ModelGroup(record.base, record.identity, record.module, record.options, record.explicit, recorder,
-                      parameters=record.parameters, weights=record.weights)
+    return ModelGroup(record.base, record.identity, KeptModule(record.module, record.weights), record.options,
+                      record.explicit, recorder, parameters=record.parameters)
 
 
 def calls_bytes(observations: list[Observation], sources: list[str]) -> bytes:

@@ -97,10 +97,10 @@ class Observing:
         item.user_properties.append((OBSERVED_PROPERTY, stack.enter_context(observing).name))
 
     def pytest_runtest_logfinish(self) -> None:
-        """The test's objects are gone (pytest dropped its fixture values): the gradients of
-        the models it trained that only the store keeps are released."""
+        """The test's objects are gone (pytest dropped its fixture values): the models it
+        observed that only the store keeps are put away (gradients dropped, packed)."""
         if self._store is not None:
-            self._store.release_gradients()
+            self._store.put_away()
 
     def stop_observing(self) -> None:
         """Give the classes of ``--export-observe`` their ``__call__`` back, and release the
@@ -108,7 +108,7 @@ class Observing:
         if self._auto is not None:
             self._auto.uninstall()
         if self._store is not None:
-            self._store.release_gradients(every_group=True)
+            self._store.release_gradients()
 
     def auto_notes(self) -> list[str]:
         """One line per kind of failure to begin observing a called module (never a test's failure)."""

@@ -152,3 +152,19 @@ def test_module_and_function_sizes(name: str) -> None:
 def test_no_private_pytest_reports() -> None:
     users = [name for name in MODULES if "_pytest.reports" in MODULES[name].read_text()]
     assert users == []
+
+
+def test_the_test_side_imports_none_of_the_export_machinery() -> None:
+    """What a session imports to observe its tests (the plugin, its roles, the store) leaves
+    torch.export's machinery out (dynamo, networkx: 400 modules whose objects every full garbage
+    collection of the suite would walk); the checks import it."""
+    import subprocess
+    import sys
+
+    heavy = ("torch._dynamo", "torch.export._trace", "networkx", "onnx", "onnxscript", "hypothesis")
+    code = ("import sys, torch\n"
+            "import pytest_exportobs.plugin, pytest_exportobs.plugin.roles, pytest_exportobs.observe.store\n"
+            "import pytest_exportobs.observe.autoobserve\n"
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert found.strip() == "[]"

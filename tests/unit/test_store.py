@@ -154,24 +154,93 @@ def trained(store: SessionStore, name: str) -> torch.nn.Linear:
     return module
 
 
-def test_gradients_are_released_once_only_the_store_holds_the_model() -> None:
-    """A test's model that nothing else holds loses its gradients after the test; one a fixture
-    still holds keeps them until that reference goes, and every kept model loses them once the
-    tests are over."""
+def test_a_model_only_the_store_holds_is_put_away_without_its_gradients() -> None:
+    """A test's model that nothing else holds is packed after the test, its gradients dropped;
+    one a fixture still holds keeps them until that reference goes, and every kept model loses
+    them once the tests are over."""
     store = SessionStore()
     trained(store, "dropped")
     held = trained(store, "held")
-    store.release_gradients()
+    store.put_away()
+    assert store.groups["dropped"].kept.packed
     assert store.groups["dropped"].module.weight.grad is None
+    assert not store.groups["held"].kept.packed
     assert held.weight.grad is not None and held.bias.grad is not None  # a fixture may still read them
-    store.release_gradients()
+    store.put_away()
     assert held.weight.grad is not None  # still reachable: looked at again at the next release
     del held
-    store.release_gradients()
-    assert store.groups["held"].module.weight.grad is None
+    store.put_away()
+    assert store.groups["held"].kept.packed and store.groups["held"].module.weight.grad is None
     kept = trained(store, "kept to the end")
-    store.release_gradients(every_group=True)
+    store.release_gradients()
     assert kept.weight.grad is None and kept.bias.grad is None
+
+
+class TiedHead(torch.nn.Module):
+    """An embedding and a head sharing one weight, and a running count in a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return self.head(self.embed(ids))
+
+
+def test_a_packed_model_leaves_memory_and_comes_back_as_observed() -> None:
+    """Packed, the module and its objects are freed (the garbage collector no longer walks them);
+    read again, it is an equal module, its tied weights still one, and the calls recorded on it
+    are still the reference, while a call made on another instance is not."""
+    import gc
+    import weakref
+
+    store = SessionStore()
+    module = TiedHead()
+    with store.observe(module, "tied", ObserveOptions(), "test") as group:
+        expected = module(torch.tensor([[1, 2, 3]]))
+    other = TiedHead()
+    with store.observe(other, "tied", ObserveOptions(), "test"):
+        other(torch.tensor([[4, 5]]))
+    state = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    gone = weakref.ref(module)
+    del module, other
+    tracked = len(gc.get_objects())
+    store.put_away()
+    assert group.kept.packed and gone() is None
+    assert len(gc.get_objects()) < tracked - 20  # the module, its submodules, their dicts and parameters
+    assert group.model_class == f"{__name__}.TiedHead" and not group.kept.on_meta and group.kept.packed
+    first, second = group.recorder.observations
+    assert group.is_reference_valid(first.instance, first.weights_digest)
+    assert not group.is_reference_valid(second.instance, second.weights_digest)
+    unpacked = group.module
+    assert type(unpacked) is TiedHead and unpacked.head.weight is unpacked.embed.weight
+    assert {n: t for n, t in unpacked.state_dict().items()}.keys() == state.keys()
+    for name, tensor in unpacked.state_dict().items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=0)
+    assert group.weights["head.weight"].data_ptr() == group.weights["embed.weight"].data_ptr()
+    assert group.weights["embed.weight"].data_ptr() == unpacked.embed.weight.data_ptr()
+    torch.testing.assert_close(unpacked(torch.tensor([[1, 2, 3]])), expected, rtol=0, atol=0)
+    assert group.is_reference_valid(first.instance, first.weights_digest)  # the digest as packed
+
+
+def test_a_model_pickle_cannot_take_stays_as_it_is() -> None:
+    """A module holding a lambda cannot be pickled: it stays in memory, unpacked, its calls the
+    reference as before."""
+    store = SessionStore()
+    module = torch.nn.Linear(4, 2)
+    module.scale = lambda x: 2 * x  # pickle cannot take a lambda
+    name = observe(store, module, "lambda", 3)
+    gone_id = id(module)
+    del module
+    store.put_away()
+    group = store.groups[name]
+    assert not group.kept.packed and not group.kept.packable and id(group.module) == gone_id
+    observation = group.recorder.observations[0]
+    assert group.is_reference_valid(observation.instance, observation.weights_digest)
 
 
 class Attention(torch.nn.Module):

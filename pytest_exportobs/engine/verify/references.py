@@ -67,7 +67,7 @@ def references(group: ModelGroup, observations: list[Observation]) -> References
             outputs.append(eager(group, obs))
         except Exception as e:  # the model's own code, on a call made on another instance
             rejection = f"{type(e).__name__}: {e}"
-            if obs.instance != id(group.module) and contract(group.module):
+            if not group.on_kept(obs.instance) and contract(group.module):
                 left_out[index] = (f"call {index} from {source} left out: made on another instance, whose weights "
                                    f"its inputs were made for, and the exported instance rejects it ({rejection})")
                 outputs.append([])

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...observe.kept import KeptModule
 from ...observe.recorder import CallRecorder, Observation
 from ...observe.store import ModelGroup
 from ...observe.weights import layout_digest, parameter_shapes
@@ -47,12 +48,13 @@ def sides(group: ModelGroup) -> tuple[list[Side], list[str]]:
     found, notes = [], []
     module = as_first_observed(group) if before else None
     if module is not None:
-        found.append(Side(BEFORE, _subgroup(group, module, [observations[i] for i in before]), before))
+        first_kept = KeptModule(module, group.weights)
+        found.append(Side(BEFORE, _subgroup(group, first_kept, [observations[i] for i in before]), before))
     elif before:
         notes.append(f"calls {before} left out: made before the parameters changed shape (resize_token_embeddings?), "
                      "with weights no longer at hand")
     if after:
-        found.append(Side(AFTER, _subgroup(group, group.module, [observations[i] for i in after]), after))
+        found.append(Side(AFTER, _subgroup(group, group.kept, [observations[i] for i in after]), after))
     others = sorted(set(range(len(observations))) - set(before) - set(after))
     if others:
         notes.append(f"calls {others} left out: made with parameters of other shapes than the first and the last")
@@ -78,8 +80,8 @@ def as_first_observed(group: ModelGroup) -> torch.nn.Module | None:
     return module if parameter_shapes(module) == group.parameters else None
 
 
-def _subgroup(group: ModelGroup, module: torch.nn.Module, observations: list[Observation]) -> ModelGroup:
+def _subgroup(group: ModelGroup, kept: KeptModule, observations: list[Observation]) -> ModelGroup:
     recorder: CallRecorder = group.recorder.emptied()
     for observation in observations:
         recorder.admit(observation, len(observations))
-    return replace(group, module=module, recorder=recorder)
+    return replace(group, kept=kept, recorder=recorder)

@@ -1,0 +1,87 @@
+"""A group's kept module, packed away once the tests no longer reach it.
+
+A session keeps the first instance of every model it observes until its checks, and every full
+collection of the garbage collector walks the objects of each (a tiny UNet: 3,300 of them,
+modules, their dicts and hooks, parameters).  A suite that calls ``gc.collect()`` after each test
+(diffusers' model tests do) pays that walk hundreds of times: +22 s over 937 tests for 56 kept
+models.  Once only its group holds the module, nothing can call or change it before the checks,
+so :meth:`KeptModule.pack` serializes it with the weights it was first observed with (one bytes
+object the collector does not walk) and frees it; the first read of :attr:`KeptModule.module`
+unpacks it.  What the recorded calls refer to survives the round trip: the instance they were made
+on (:attr:`KeptModule.instance`) and the digest of its weights (:meth:`KeptModule.digest`, taken
+when packed: unpacked tensors count no past in-place update).
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from ..compat.transformers_hooks import without_output_capturing_hooks
+from ..core.trees import on_meta_device
+from .weights import weights_digest
+
+PACKED_INSTANCE = -1  # KeptModule.instance once packed: the id of no live object
+
+
+class KeptModule:
+    """The module a group exports and the weights it was first observed with, held as is or packed."""
+
+    def __init__(self, module: torch.nn.Module, weights: dict[str, torch.Tensor]):
+        self._module: torch.nn.Module | None = module
+        self._weights = weights
+        self._packed: bytes | None = None
+        self._digest: int | None = None  # of the weights when packed
+        self.cls: type[torch.nn.Module] = type(module)
+        self.instance = id(module)  # what Observation.instance holds for calls made on this module
+        self.packable = True  # False once pickling failed: the module stays as is
+
+    @property
+    def module(self) -> torch.nn.Module:
+        self._unpack()
+        assert self._module is not None
+        return self._module
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The parameters and buffers as first observed, by name (see :func:`.store.held_weights`)."""
+        self._unpack()
+        return self._weights
+
+    @property
+    def packed(self) -> bool:
+        return self._packed is not None
+
+    @property
+    def on_meta(self) -> bool:
+        """Whether the module holds a tensor on the meta device (a packed one never does)."""
+        return self._packed is None and on_meta_device(self.module)
+
+    def digest(self) -> int:
+        """The digest of the module's weights (see :func:`.weights.weights_digest`): as packed,
+        once it was."""
+        return weights_digest(self.module) if self._digest is None else self._digest
+
+    def pack(self) -> bool:
+        """Serialize the module and its first weights together (shared storages stay shared) and
+        drop them; only call when nothing but the group reaches the module.  ``False`` when the
+        module is on the meta device, packed already, or cannot be pickled (it stays as is)."""
+        if self._module is None or self._digest is not None or not self.packable or on_meta_device(self._module):
+            return False
+        buffer = io.BytesIO()
+        try:
+            with without_output_capturing_hooks(self._module):
+                torch.save((self._module, self._weights), buffer)
+        except Exception:  # a local class, a closure in a hook, a lock...: pickle's errors vary
+            self.packable = False
+            return False
+        self._digest = weights_digest(self._module)
+        self._packed, self._module, self._weights = buffer.getvalue(), None, {}
+        self.instance = PACKED_INSTANCE
+        return True
+
+    def _unpack(self) -> None:
+        if self._packed is not None:
+            self._module, self._weights = torch.load(io.BytesIO(self._packed), weights_only=False)
+            self._packed = None
