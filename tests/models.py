@@ -46,6 +46,20 @@ class MLP(torch.nn.Module):
         return self.l2(torch.relu(self.l1(x)))
 
 
+class TiedHead(torch.nn.Module):
+    """An embedding and an output layer sharing one weight, and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((16,), 0.5))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids) * self.scale)
+
+
 class Branchy(torch.nn.Module):
     """A branch on the values of its input: fine in eager, torch.export cannot capture it."""
 

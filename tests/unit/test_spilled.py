@@ -12,21 +12,7 @@ from pytest_exportobs.engine.spilled import SpilledWeights
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
 from pytest_exportobs.observe.weights import weights_digest
 
-from models import MLP
-
-
-class TiedHead(torch.nn.Module):
-    """An embedding and an output layer sharing one weight, and a buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(50, 16)
-        self.head = torch.nn.Linear(16, 50, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("scale", torch.full((16,), 0.5))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(ids) * self.scale)
+from models import MLP, TiedHead
 
 
 def observed(module: torch.nn.Module, name: str, *calls: tuple) -> ModelGroup:

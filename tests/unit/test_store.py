@@ -8,6 +8,8 @@ import torch
 from pytest_exportobs.observe.recorder import CallCounts
 from pytest_exportobs.observe.store import MAX_OBSERVATIONS, MAX_ORDINARY, ObserveOptions, SessionStore, identity
 
+from models import TiedHead
+
 
 def observe(store: SessionStore, module: torch.nn.Module, default_name: str, *sizes: int, **options) -> str:
     with store.observe(module, default_name, ObserveOptions(**options), "test") as group:
@@ -176,21 +178,6 @@ def test_a_model_only_the_store_holds_is_put_away_without_its_gradients() -> Non
     assert kept.weight.grad is None and kept.bias.grad is None
 
 
-class TiedHead(torch.nn.Module):
-    """An embedding and a head sharing one weight, and a running count in a buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(10, 4)
-        self.head = torch.nn.Linear(4, 10, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("seen", torch.zeros(()))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        self.seen += 1
-        return self.head(self.embed(ids))
-
-
 def test_a_packed_model_leaves_memory_and_comes_back_as_observed() -> None:
     """Packed, the module and its objects are freed (the garbage collector no longer walks them);
     read again, it is an equal module, its tied weights still one, and the calls recorded on it
@@ -212,7 +199,7 @@ def test_a_packed_model_leaves_memory_and_comes_back_as_observed() -> None:
     store.put_away()
     assert group.kept.packed and gone() is None
     assert len(gc.get_objects()) < tracked - 20  # the module, its submodules, their dicts and parameters
-    assert group.model_class == f"{__name__}.TiedHead" and not group.kept.on_meta and group.kept.packed
+    assert group.model_class == "models.TiedHead" and not group.kept.on_meta and group.kept.packed
     first, second = group.recorder.observations
     assert group.is_reference_valid(first.instance, first.weights_digest)
     assert not group.is_reference_valid(second.instance, second.weights_digest)
