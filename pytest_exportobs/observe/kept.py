@@ -5,9 +5,10 @@ collection of the garbage collector walks the objects of each (a tiny UNet: 3,30
 modules, their dicts and hooks, parameters).  A suite that calls ``gc.collect()`` after each test
 (diffusers' model tests do) pays that walk hundreds of times: +22 s over 937 tests for 56 kept
 models.  Once only its group holds the module, nothing can call or change it before the checks,
-so :meth:`KeptModule.pack` serializes it with the weights it was first observed with (one bytes
-object the collector does not walk) and frees it; the first read of :attr:`KeptModule.module`
-unpacks it.  What the recorded calls refer to survives the round trip: the instance they were made
+so :meth:`KeptModule.pack` pickles it with the weights it was first observed with, the tensors'
+storages by reference (kept aside as they are: no copy), into one bytes object the collector does
+not walk, and lets its objects go; the first read of :attr:`KeptModule.module` unpacks it onto the
+same storages.  What the recorded calls refer to survives the round trip: the instance they were made
 on (:attr:`KeptModule.instance`) and the digest of its weights (:meth:`KeptModule.digest`, taken
 when packed: unpacked tensors count no past in-place update).
 """
@@ -15,6 +16,8 @@ when packed: unpacked tensors count no past in-place update).
 from __future__ import annotations
 
 import io
+import pickle
+from typing import Any
 
 import torch
 
@@ -32,6 +35,7 @@ class KeptModule:
         self._module: torch.nn.Module | None = module
         self._weights = weights
         self._packed: bytes | None = None
+        self._storages: list[Any] = []  # of the packed tensors, by reference
         self._digest: int | None = None  # of the weights when packed
         self.cls: type[torch.nn.Module] = type(module)
         self.instance = id(module)  # what Observation.instance holds for calls made on this module
@@ -64,24 +68,50 @@ class KeptModule:
         return weights_digest(self.module) if self._digest is None else self._digest
 
     def pack(self) -> bool:
-        """Serialize the module and its first weights together (shared storages stay shared) and
-        drop them; only call when nothing but the group reaches the module.  ``False`` when the
+        """Pickle the module and its first weights together, their storages by reference (no
+        copy: shared storages stay shared), and let them go; only call when nothing but the group
+        reaches the module.  ``False`` when the
         module is on the meta device, packed already, or cannot be pickled (it stays as is)."""
         if self._module is None or self._digest is not None or not self.packable or on_meta_device(self._module):
             return False
-        buffer = io.BytesIO()
+        buffer, storages = io.BytesIO(), list[Any]()
         try:
             with without_output_capturing_hooks(self._module):
-                torch.save((self._module, self._weights), buffer)
+                _StoragesAside(buffer, storages).dump((self._module, self._weights))
         except Exception:  # a local class, a closure in a hook, a lock...: pickle's errors vary
             self.packable = False
             return False
         self._digest = weights_digest(self._module)
-        self._packed, self._module, self._weights = buffer.getvalue(), None, {}
+        self._packed, self._storages, self._module, self._weights = buffer.getvalue(), storages, None, {}
         self.instance = PACKED_INSTANCE
         return True
 
     def _unpack(self) -> None:
         if self._packed is not None:
-            self._module, self._weights = torch.load(io.BytesIO(self._packed), weights_only=False)
-            self._packed = None
+            self._module, self._weights = _StoragesBack(io.BytesIO(self._packed), self._storages).load()
+            self._packed, self._storages = None, []
+
+
+class _StoragesAside(pickle.Pickler):
+    """Pickles the tensors' storages by reference: each is appended to ``storages`` as it is."""
+
+    def __init__(self, file: io.BytesIO, storages: list[Any]):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.storages = storages
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if isinstance(obj, (torch.storage.TypedStorage, torch.UntypedStorage)):
+            self.storages.append(obj)
+            return len(self.storages) - 1
+        return None
+
+
+class _StoragesBack(pickle.Unpickler):
+    """Unpickles what :class:`_StoragesAside` pickled, onto the storages it set aside."""
+
+    def __init__(self, file: io.BytesIO, storages: list[Any]):
+        super().__init__(file)
+        self.storages = storages
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self.storages[pid]

@@ -179,9 +179,10 @@ def test_a_model_only_the_store_holds_is_put_away_without_its_gradients() -> Non
 
 
 def test_a_packed_model_leaves_memory_and_comes_back_as_observed() -> None:
-    """Packed, the module and its objects are freed (the garbage collector no longer walks them);
-    read again, it is an equal module, its tied weights still one, and the calls recorded on it
-    are still the reference, while a call made on another instance is not."""
+    """Packed, the module's objects are freed (the garbage collector no longer walks them), its
+    weights' storages kept as they are; read again, it is an equal module on the same storages,
+    its tied weights still one, and the calls recorded on it are still the reference, while a
+    call made on another instance is not."""
     import gc
     import weakref
 
@@ -193,6 +194,7 @@ def test_a_packed_model_leaves_memory_and_comes_back_as_observed() -> None:
     with store.observe(other, "tied", ObserveOptions(), "test"):
         other(torch.tensor([[4, 5]]))
     state = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    memory = module.embed.weight.data_ptr()
     gone = weakref.ref(module)
     del module, other
     tracked = len(gc.get_objects())
@@ -210,6 +212,7 @@ def test_a_packed_model_leaves_memory_and_comes_back_as_observed() -> None:
         torch.testing.assert_close(tensor, state[name], rtol=0, atol=0)
     assert group.weights["head.weight"].data_ptr() == group.weights["embed.weight"].data_ptr()
     assert group.weights["embed.weight"].data_ptr() == unpacked.embed.weight.data_ptr()
+    assert unpacked.embed.weight.data_ptr() == memory  # the same storage: never copied
     torch.testing.assert_close(unpacked(torch.tensor([[1, 2, 3]])), expected, rtol=0, atol=0)
     assert group.is_reference_valid(first.instance, first.weights_digest)  # the digest as packed
 
