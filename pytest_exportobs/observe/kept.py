@@ -3,8 +3,8 @@
 A session keeps the first instance of every model it observes until its checks, and every full
 collection of the garbage collector walks the objects of each (a tiny UNet: 3,300 of them,
 modules, their dicts and hooks, parameters).  A suite that calls ``gc.collect()`` after each test
-(diffusers' model tests do) pays that walk hundreds of times: +22 s over 937 tests for 56 kept
-models.  Once only its group holds the module, nothing can call or change it before the checks,
+pays that walk hundreds of times (diffusers' model tests: 272 full collections for 937 tests, 56
+models kept).  Once only its group holds the module, nothing can call or change it before the checks,
 so :meth:`KeptModule.pack` pickles it with the weights it was first observed with, the tensors'
 storages by reference (kept aside as they are: no copy), into one bytes object the collector does
 not walk, and lets its objects go; the first read of :attr:`KeptModule.module` unpacks it onto the
@@ -70,8 +70,8 @@ class KeptModule:
     def pack(self) -> bool:
         """Pickle the module and its first weights together, their storages by reference (no
         copy: shared storages stay shared), and let them go; only call when nothing but the group
-        reaches the module.  ``False`` when the
-        module is on the meta device, packed already, or cannot be pickled (it stays as is)."""
+        reaches the module.  ``False`` when the module is on the meta device, was packed before,
+        or cannot be pickled (it stays as is)."""
         if self._module is None or self._digest is not None or not self.packable or on_meta_device(self._module):
             return False
         buffer, storages = io.BytesIO(), list[Any]()
