@@ -159,6 +159,38 @@ def test_state_changed_after_the_calls_with_the_same_weights_recomputes_every_re
     )
 
 
+class _Backbone(torch.nn.Module):
+    """The feature map of each stage named in ``out_features``, as transformers' backbones read
+    them from a config their tests change for the next model they build."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.out_features = ["stage1", "stage2", "stage3"]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        maps = []
+        for number, stage in enumerate(self.stages, 1):
+            x = stage(x)
+            if f"stage{number}" in self.out_features:
+                maps.append(x)
+        return tuple(maps)
+
+
+def test_state_changed_after_the_calls_into_other_outputs_recomputes_every_reference(tmp_path: Path) -> None:
+    """BeitBackbone's test calls a backbone, then sets ``out_features = None`` on the config it
+    shares: the kept model now gives one feature map where its calls recorded three, which is the
+    model's state, not the export's, and no export patch's."""
+    model = _Backbone().eval()
+    group = observed(model, (torch.randn(2, 8),), (torch.randn(3, 8),))
+    model.out_features = ["stage3"]
+    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=0))
+    assert (result.verdict, result.reason) == ("passed", "")
+    assert [d["n_values"] for d in result.graphs[0].discrepancies] == [2 * 8, 3 * 8]  # the one map of each call
+    assert result.notes[-1].startswith("references recomputed on the exported instance for every call: eager, as the "
+                                       "tests ran it, no longer gave the recorded outputs with the same weights")
+
+
 @pytest.mark.parametrize(
     "message, hint",
     [
