@@ -8,7 +8,8 @@ session's own check, at the end as always, finds the traces, graphs, comparisons
 of every group that did not change since, and checks the others as it would have.  No verdict
 comes from the child: a group that gained calls or changed weights since misses the cache, and
 the child is killed when the tests end (its unfinished work is done again by the session's
-check).
+check).  A group whose check the cache recorded as it is now (a rerun) is left out: the child
+finds that out and ends, where checking it would only read the cache back while the tests run.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _child(groups: list[ModelGroup], settings: CheckSettings) -> None:
         # one thread: GNU OpenMP (torch's) is not fork-safe (see runner._child)
         torch.set_num_threads(1)
         with contextlib.suppress(Exception):
-            for _ in check_all(groups, settings, isolate=False, jobs=1, threads=1):
+            for _ in check_all(groups, settings, isolate=False, jobs=1, threads=1, unrecorded_only=True):
                 pass
     finally:
         os._exit(0)  # skip pytest's atexit handlers inherited by the fork

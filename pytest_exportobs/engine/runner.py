@@ -39,6 +39,7 @@ from .spilled import SpilledWeights, return_free_memory
 def check_all(
     groups: Iterable[ModelGroup], settings: CheckSettings, isolate: bool,
     progress: Callable[[str], None] | None = None, jobs: int = 1, threads: int | None = None,
+    unrecorded_only: bool = False,
 ) -> Iterator[ModelResult]:
     """Yield one result per group, in the order the checks end; ``progress`` receives one line
     per model and stage.  With ``isolate`` or ``jobs`` > 1 checks run in forked children,
@@ -47,7 +48,10 @@ def check_all(
     ``threads`` torch threads per job no child takes (``None``: as many as now for all the
     jobs), a forked one with one (see
     :func:`_child`); forked checks run with the models' weights on disk (:mod:`.spilled`), each
-    child mapping its own.  What each check is expected to take next time is recorded."""
+    child mapping its own.  What each check is expected to take next time is recorded.
+    ``unrecorded_only``: the checks the export cache recorded (as they are now: same module,
+    calls and settings) are left out, without a result (what :mod:`.early` fills the cache
+    with is there already)."""
     groups = list(groups)
     total, first = len(groups), 1
     unsettled = []  # a group with nothing to export needs no check, nor a process of its own
@@ -61,6 +65,10 @@ def check_all(
     if not groups:
         return
     costs = CheckCosts(groups, settings)
+    if unrecorded_only:
+        groups = [group for group in groups if costs.recorded(group) is None]
+        if not groups:
+            return
     placed = place(groups, costs, isolate, jobs)
     ordered = placed.forked + placed.in_process
     trackers = {id(g): Progress(f"exportobs [{i}/{total}] {g.name}", progress) for i, g in enumerate(ordered, first)}

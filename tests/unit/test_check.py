@@ -1766,6 +1766,9 @@ def test_checks_the_export_cache_served_last_time_run_in_process_and_others_are_
     forked.clear()
     isolated = list(runner.check_all(groups(4), checked, isolate=True, jobs=1))
     assert sorted(forked) == ["mlp0", "mlp1", "scaled"] and isolated == []
+    # what an early check (--export-overlap) takes on: the checks the cache has no record of
+    early = list(runner.check_all(groups(7), checked, isolate=False, jobs=1, unrecorded_only=True))
+    assert [(r.name, r.verdict) for r in early] == [("mlp1", "passed")]
 
 
 def _placed_by_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[ModelGroup], CheckSettings]:
