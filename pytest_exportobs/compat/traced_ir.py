@@ -10,9 +10,10 @@ or ``torch.autocast(..., enabled=False)`` (a region the translation does not tak
 mode means nothing to ONNX, nor an autocast that casts nothing).
 Those are rewritten on a copy of the program, as the decomposition would rewrite them, and the
 copy is translated.  Another op the registry lacks (``broadcast_tensors``, ``diff``,
-``reshape_as``, ``binary_cross_entropy_with_logits``) is replaced by its decomposition traced
-alone on the fake values torch.export recorded for its inputs: what the decomposition of the
-whole program would make of it, without tracing the model again.  An op whose decomposition
+``reshape_as``, ``binary_cross_entropy_with_logits``, an average pool to another size than 1)
+is replaced by its decomposition traced alone on the fake values torch.export recorded for its
+inputs: what the decomposition of the whole program would make of it, without tracing the model
+again.  An op whose decomposition
 does not trace so, an in-place op another value could see, or another higher-order op
 (an enabled autocast, control flow) leaves the program to the decomposition.
 """
@@ -136,6 +137,9 @@ _REWRITES: dict[Any, Callable[[torch.fx.Node], bool]] = {
     aten.batch_norm.default: _batch_norm,
     aten.nll_loss_nd.default: _nll_loss,
 }
+# ops decomposed alone where their rewrite does not apply: an average pool to another size than 1
+# (a segmentation head's pyramid pooling: BEiT's, UperNet's)
+_ALONE_UNREWRITTEN = frozenset({aten.adaptive_avg_pool2d.default})
 
 
 def as_translatable(
@@ -146,7 +150,8 @@ def as_translatable(
     grad-mode and disabled autocast regions inlined, the ops of :data:`_REWRITES` rewritten,
     in-place ops on values nothing else aliases made functional, and any other op the registry
     lacks replaced by its decomposition traced on its own (``decompositions``: torch.onnx's
-    table; see :func:`_decompose_in_place`); ``None`` when an op cannot be so.  ``program``
+    table; see :func:`_decompose_in_place`), as is an average pool the global-mean rewrite does
+    not take; ``None`` when an op cannot be so.  ``program``
     itself is left as it is."""
     graph = copy.deepcopy(program.graph)
     for traced, copied in zip(program.graph.nodes, graph.nodes):
@@ -163,7 +168,9 @@ def as_translatable(
     for node in list(graph.nodes):
         if node.op == "call_function":
             rewrite = _REWRITES.get(node.target)
-            if rewrite is not None and not rewrite(node):
+            if rewrite is not None and not rewrite(node) and not (
+                    node.target in _ALONE_UNREWRITTEN and decompositions is not None
+                    and _decompose_in_place(node, decompositions)):
                 return None
             if _in_place(node.target) and not _functionalize(node, before):
                 return None

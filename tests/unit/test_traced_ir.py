@@ -159,6 +159,38 @@ def test_ops_the_registry_lacks_are_decomposed_alone_and_the_graph_serves_unseen
             np.testing.assert_allclose(value, reference.numpy(), atol=1e-6, rtol=1e-6)
 
 
+class PyramidPooled(torch.nn.Module):
+    """BEiT's segmentation head: the features pooled to 1, 2, 3 and 6 a side, each upsampled
+    back and concatenated (only the pool to 1 is a global mean)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, stride=2)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features = self.conv(images)
+        pooled = [F.interpolate(F.adaptive_avg_pool2d(features, scale), size=features.shape[2:], mode="bilinear")
+                  for scale in (1, 2, 3, 6)]
+        return torch.cat([features, *pooled], dim=1)
+
+
+def test_average_pools_to_other_sizes_than_1_are_decomposed_alone_and_the_graph_serves_unseen_batches() -> None:
+    torch.manual_seed(0)
+    model = PyramidPooled().eval()
+    program = _traced(model, torch.randn(3, 3, 31, 31))  # 15x15 features: no pool divides them but the first
+    assert "aten.adaptive_avg_pool2d.default" in _targets(program)
+
+    taken = as_translatable(program, translated_ops(), onnx_decompositions())
+
+    assert taken is not None and "aten.adaptive_avg_pool2d.default" not in _targets(taken)
+    assert taken_as_traced(prepare_for_onnx(program))
+    images = torch.randn(5, 3, 31, 31)
+    (got,) = _onnx_outputs(program, images)
+    assert got.shape == (5, 20, 15, 15)
+    with torch.no_grad():
+        np.testing.assert_allclose(got, model(images).numpy(), atol=1e-5, rtol=1e-5)
+
+
 class SpanLoss(torch.nn.Module):
     """BERT's question-answering loss: ``ignore_index`` is the sequence length, a size of the
     trace that torchlib's translations of ``cross_entropy_loss`` and ``nll_loss_forward`` (torch
