@@ -384,3 +384,18 @@ def test_a_few_section_counts_torch_restricts_are_a_graph_each(tmp_path: Path, f
         with torch.no_grad():
             torch.testing.assert_close(onnx_run(graph.onnx_path, ids, positions)[0], model(ids, positions),
                                        rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("noise, counted", [
+    ([1e-9, 2e-9, 0.0, 0.0, 1e-9], (True, 0, [5, 0, 0, 0], 1e-9)),  # within the floor: the short way
+    ([1e-9, 5e-7, 5e-3, 0.0, 1e-5], (True, 0, [3, 1, 1, 0], 5e-3)),  # 5e-3 within rtol of 100
+    ([1e-9, 5e-7, 5e-3, 0.0, 0.5], (False, 1, [3, 0, 1, 1], 0.5)),
+])
+def test_a_comparison_counts_each_difference_in_its_bucket_and_those_beyond_tolerance(
+    noise: list[float], counted: tuple[bool, int, list[int], float],
+) -> None:
+    reference = torch.tensor([0.0, 1.0, 100.0, -50.0, 3.0])
+    found = compare([reference + torch.tensor(noise)], [reference], Tolerance())
+    ok, beyond, histogram, largest = counted
+    assert (found.ok, found.n_beyond, found.histogram, found.n_values) == (ok, beyond, histogram, 5)
+    assert found.max_abs == pytest.approx(largest, rel=1e-3)

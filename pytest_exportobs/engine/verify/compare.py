@@ -186,21 +186,32 @@ def _accumulate(
     if not math.isfinite(scale):
         scale = float(torch.nan_to_num(magnitude, nan=0.0, posinf=0.0).max())
     rounding = max(SCALE_FRACTION * rtol * scale, last_place(scale, dtype)) if rtol else 0.0
-    beyond = delta > magnitude.mul(rtol).add_(max(atol, rounding))
-    if padded is not None and bool((beyond & padded).any()):
+    floor = max(atol, rounding)  # what every value may be off by, whatever its magnitude
+    largest = float(delta.max())
+    # within the floor everywhere (most outputs): no value is beyond, nothing padded to set apart
+    beyond = delta > magnitude.mul(rtol).add_(floor) if largest > floor else None
+    if beyond is not None and padded is not None and bool((beyond & padded).any()):
         result.n_padded += int((beyond & padded).sum())
         result.padded_max_abs = max(result.padded_max_abs, float(delta[beyond & padded].max()))
         beyond, delta = beyond & ~padded, torch.where(padded, torch.zeros_like(delta), delta)
+        largest = float(delta.max())
     result.n_values += delta.numel()
-    n_beyond = int(beyond.sum())
+    n_beyond = int(beyond.sum()) if beyond is not None else 0
     result.n_beyond += n_beyond
-    result.max_abs = max(result.max_abs, float(delta.max()))
+    result.max_abs = max(result.max_abs, largest)
     result.max_rel = max(result.max_rel, float((delta / magnitude.add_(EPS)).max()))
     if n_beyond and float(delta[beyond].max()) > result._worst_delta:
         result.worst, result._worst_delta = f"{name} (atol={atol:g}, rtol={rtol:g})", float(delta[beyond].max())
+    result.histogram = [total + count for total, count in zip(result.histogram, _histogram(delta, largest))]
+
+
+def _histogram(delta: torch.Tensor, largest: float) -> list[int]:
+    """How many of the differences ``delta`` (``largest`` the greatest) fall in each bucket of
+    :data:`HISTOGRAM_EDGES`."""
+    if largest <= HISTOGRAM_EDGES[0]:
+        return [delta.numel()] + [0] * len(HISTOGRAM_EDGES)
     buckets = torch.bucketize(delta, torch.tensor(HISTOGRAM_EDGES, dtype=torch.float64))
-    counts = torch.bincount(buckets.flatten(), minlength=len(HISTOGRAM_EDGES) + 1).tolist()
-    result.histogram = [total + count for total, count in zip(result.histogram, counts)]
+    return torch.bincount(buckets.flatten(), minlength=len(HISTOGRAM_EDGES) + 1).tolist()
 
 
 @dataclass(frozen=True)
