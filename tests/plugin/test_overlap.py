@@ -101,3 +101,69 @@ def test_a_model_with_calls_recorded_after_its_early_check_is_checked_on_all_of_
     # the early check compared two calls; the one recorded after it is compared at the end
     assert graph["calls"] == [0, 1, 2] and len(graph["discrepancies"]) == 3
     assert not any(note.startswith("verified as on an earlier check") for note in graph["notes"])
+
+
+# two models settling one after the other; each waiting test waits for the early child before it
+# to end (the session's children: the test runs in the session's process)
+TWO_SETTLING = '''
+import glob, multiprocessing, os, time
+import pytest, torch
+from models import MLP
+
+@pytest.fixture(scope="module")
+def first():
+    torch.manual_seed(0)
+    return MLP().eval()
+
+@pytest.fixture(scope="module")
+def second():
+    torch.manual_seed(1)
+    return MLP().eval()
+
+def _wait(records):
+    deadline = time.monotonic() + float(os.environ["WAIT"])
+    while time.monotonic() < deadline and (
+            len(glob.glob(".exportobs/cache/check-*.json")) < records or multiprocessing.active_children()):
+        time.sleep(0.2)
+
+@pytest.mark.observe_export("first")
+def test_first(first):
+    assert first(torch.randn(2, 8)).shape == (2, 4)
+    assert first(torch.randn(5, 8)).shape == (5, 4)
+
+def test_first_settles():
+    pass
+
+def test_first_checked():
+    _wait(1)
+
+@pytest.mark.observe_export("second")
+def test_second(second):
+    assert second(torch.randn(3, 8)).shape == (3, 4)
+    assert second(torch.randn(6, 8)).shape == (6, 4)
+
+def test_second_settles():
+    _wait(1)
+
+def test_second_checked():
+    _wait(2)
+'''
+
+
+def test_a_rerun_ends_the_early_checks_once_a_child_finds_its_checks_recorded(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, derandomized: Path,
+) -> None:
+    """First run: each model checked early, one child after the other.  Rerun: the first child
+    finds its model's check recorded and ends; no child is forked for the second model, which
+    the session's check serves from the cache all the same."""
+    pytester.makepyfile(models=MODELS, test_suite=TWO_SETTLING)
+    monkeypatch.setenv("WAIT", "240")
+    args = ("--export-check", "--export-examples=3", "--export-report=report.json", "-p", "no:cacheprovider")
+    verdicts = []
+    for began in (2, 1):
+        result = pytester.runpytest_subprocess(*args)
+        result.assert_outcomes(passed=8)
+        result.stdout.fnmatch_lines([f"exportobs: the checks of {began} model(s) began while the tests ran*"])
+        models = json.loads((pytester.path / "report.json").read_text())["models"]
+        verdicts.append(sorted((m["name"], m["verdict"], m["graphs"][0]["cache_hit"]) for m in models))
+    assert verdicts == [[("first", "passed", True), ("second", "passed", True)]] * 2
