@@ -399,3 +399,21 @@ def test_a_comparison_counts_each_difference_in_its_bucket_and_those_beyond_tole
     ok, beyond, histogram, largest = counted
     assert (found.ok, found.n_beyond, found.histogram, found.n_values) == (ok, beyond, histogram, 5)
     assert found.max_abs == pytest.approx(largest, rel=1e-3)
+
+
+def test_an_output_compared_in_chunks_counts_as_compared_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks (a large attention map's) add up to the comparison of the whole output: values
+    beyond tolerance read and padded, maxima, histogram, the worst output named."""
+    from pytest_exportobs.engine.verify import compare as comparing
+
+    torch.manual_seed(0)
+    reference = torch.randn(2, 5, 3)
+    got = reference + torch.randn(2, 5, 3) * 1e-5
+    got[0, 0, 0] += 0.5  # beyond tolerance, read
+    got[1, 4] += 1.0  # beyond tolerance, at the padded position
+    padding = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    whole = compare([got], [reference], Tolerance(), names=["logits"], padding=padding).to_json()
+    monkeypatch.setattr(comparing, "CHUNK", 4)
+    assert compare([got], [reference], Tolerance(), names=["logits"], padding=padding).to_json() == whole
+    assert (whole["n_beyond"], whole["n_padded"], whole["n_values"], sum(whole["histogram"])) == (1, 3, 30, 30)
+    assert whole["detail"].startswith("1 of 30 values beyond tolerance, worst in logits")

@@ -16,6 +16,7 @@ from .arbiter import Float64Model, arbitrate, last_place
 
 EPS = 1e-12
 HISTOGRAM_EDGES = (1e-6, 1e-4, 1e-2)  # |Δ| buckets: <1e-6, <1e-4, <1e-2, >=1e-2
+CHUNK = 1 << 22  # values of an output compared at once (32 MB in float64)
 DEFAULT_TOLERANCES = {
     torch.float64: (1e-7, 1e-7),
     torch.float32: (1e-4, 1e-4),
@@ -173,20 +174,38 @@ def _accumulate(
     result: Discrepancy, got: torch.Tensor, ref: torch.Tensor, tolerance: Tolerance, name: str,
     padded: torch.Tensor | None, dtype: torch.dtype,
 ) -> None:
+    """Add one output's differences to ``result``, :data:`CHUNK` values at a time (a large
+    output, an attention map at a variation's sizes, is not copied whole in float64)."""
     if ref.numel() == 0:
         return
     atol, rtol = tolerance.for_dtype(dtype)
-    ref64 = ref.detach().to(torch.float64)
+    scale = _largest_magnitude(ref.detach())
+    rounding = max(SCALE_FRACTION * rtol * scale, last_place(scale, dtype)) if rtol else 0.0
+    floor = max(atol, rounding)  # what every value may be off by, whatever its magnitude
+    got, ref = got.detach().reshape(-1), ref.detach().reshape(-1)
+    unread = padded.reshape(-1) if padded is not None else None
+    for start in range(0, ref.numel(), CHUNK):
+        part = slice(start, start + CHUNK)
+        _accumulate_part(result, got[part], ref[part], rtol, floor, unread[part] if unread is not None else None,
+                         f"{name} (atol={atol:g}, rtol={rtol:g})")
+
+
+def _largest_magnitude(ref: torch.Tensor) -> float:
+    """The largest finite magnitude among the reference's values (0 when none is)."""
+    largest = float(ref.abs().max())
+    return largest if math.isfinite(largest) else float(torch.nan_to_num(ref.abs(), nan=0.0, posinf=0.0).max())
+
+
+def _accumulate_part(
+    result: Discrepancy, got: torch.Tensor, ref: torch.Tensor, rtol: float, floor: float,
+    padded: torch.Tensor | None, where: str,
+) -> None:
+    ref64 = ref.to(torch.float64)
     magnitude = ref64.abs()
-    delta = (got.detach().to(torch.float64) - ref64).abs_()
+    delta = (got.to(torch.float64) - ref64).abs_()
     if bool(torch.isnan(delta).any()):  # NaN in both: equal; NaN in one: infinitely off
         delta = torch.where(torch.isnan(delta) & ~torch.isnan(ref64), torch.full_like(delta, math.inf), delta)
         delta = torch.nan_to_num(delta, nan=0.0)
-    scale = float(magnitude.max())
-    if not math.isfinite(scale):
-        scale = float(torch.nan_to_num(magnitude, nan=0.0, posinf=0.0).max())
-    rounding = max(SCALE_FRACTION * rtol * scale, last_place(scale, dtype)) if rtol else 0.0
-    floor = max(atol, rounding)  # what every value may be off by, whatever its magnitude
     largest = float(delta.max())
     # within the floor everywhere (most outputs): no value is beyond, nothing padded to set apart
     beyond = delta > magnitude.mul(rtol).add_(floor) if largest > floor else None
@@ -201,7 +220,7 @@ def _accumulate(
     result.max_abs = max(result.max_abs, largest)
     result.max_rel = max(result.max_rel, float((delta / magnitude.add_(EPS)).max()))
     if n_beyond and float(delta[beyond].max()) > result._worst_delta:
-        result.worst, result._worst_delta = f"{name} (atol={atol:g}, rtol={rtol:g})", float(delta[beyond].max())
+        result.worst, result._worst_delta = where, float(delta[beyond].max())
     result.histogram = [total + count for total, count in zip(result.histogram, _histogram(delta, largest))]
 
 
