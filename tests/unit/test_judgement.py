@@ -417,3 +417,10 @@ def test_an_output_compared_in_chunks_counts_as_compared_whole(monkeypatch: pyte
     assert compare([got], [reference], Tolerance(), names=["logits"], padding=padding).to_json() == whole
     assert (whole["n_beyond"], whole["n_padded"], whole["n_values"], sum(whole["histogram"])) == (1, 3, 30, 30)
     assert whole["detail"].startswith("1 of 30 values beyond tolerance, worst in logits")
+
+
+def test_boolean_and_integer_outputs_are_compared_as_values() -> None:
+    mask, counts = torch.tensor([[True, False], [False, True]]), torch.tensor([3, -1, 0])
+    assert compare([mask, counts], [mask, counts], Tolerance()).ok
+    found = compare([~mask, counts], [mask, counts], Tolerance(), names=["mask", "counts"])
+    assert (found.ok, found.n_beyond, found.max_abs) == (False, 4, 1.0)

@@ -192,14 +192,17 @@ def _accumulate(
 
 def _largest_magnitude(ref: torch.Tensor) -> float:
     """The largest finite magnitude among the reference's values (0 when none is)."""
-    largest = float(ref.abs().max())
-    return largest if math.isfinite(largest) else float(torch.nan_to_num(ref.abs(), nan=0.0, posinf=0.0).max())
+    magnitude = (ref if ref.is_floating_point() else ref.to(torch.float64)).abs()  # a mask's booleans too
+    largest = float(magnitude.max())
+    return largest if math.isfinite(largest) else float(torch.nan_to_num(magnitude, nan=0.0, posinf=0.0).max())
 
 
 def _accumulate_part(
     result: Discrepancy, got: torch.Tensor, ref: torch.Tensor, rtol: float, floor: float,
     padded: torch.Tensor | None, where: str,
 ) -> None:
+    """Add the differences of one chunk of an output to ``result``; ``floor``: what any value may
+    be off by, ``where``: the output and its tolerance, as a mismatch names them."""
     ref64 = ref.to(torch.float64)
     magnitude = ref64.abs()
     delta = (got.to(torch.float64) - ref64).abs_()
