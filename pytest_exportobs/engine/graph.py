@@ -167,10 +167,8 @@ class GraphCheck:
         """Run every call of the plan; the check ends when the graph fails.  Calls that lacked an
         argument of the graph and fail are split off instead.  A mismatch whose reference eager
         gives again is verified again ``arbitrated``: the model in float64 decides which side
-        rounds (see :mod:`.verify.arbiter`).  A mismatch or other outputs where eager, as the
-        tests ran it, no longer gives the reference (the model's state changed after the calls: a
-        backbone's ``out_features`` set on the config it shares with the next model) is verified
-        again against eager now."""
+        rounds (see :mod:`.verify.arbiter`); one, or other outputs, that eager no longer gives
+        (the model changed after its calls: a backbone's shared config) against eager now."""
         context, result = self.context, self.result
         stage = Stage.RUN if context.target == Target.EXECUTORCH else Stage.VERIFY
         context.progress(stage, self.plan.name)
@@ -203,14 +201,14 @@ class GraphCheck:
         if self._evaluator_failed(next((d.detail for d in bad if d.kind == Kind.ERROR), "")):
             raise GraphEnded
         worst = max(bad, key=lambda d: d.max_abs)
-        if worst.kind in (Kind.MISMATCH, Kind.OUTPUTS) and not arbitrated:
-            problem = self._reference_problem(self.plan.calls[worst.index])
-            if problem == Reproduction.NONDETERMINISTIC:
-                raise GraphEnded
-            if problem == Reproduction.STALE or worst.kind == Kind.MISMATCH:
-                # against references eager gives today; eager giving them, float64 decides which side rounds
-                self._verify(runner, arbitrated=problem == Reproduction.SAME)
-                return
+        judged = worst.kind in (Kind.MISMATCH, Kind.OUTPUTS) and not arbitrated
+        problem = self._reference_problem(self.plan.calls[worst.index]) if judged else None
+        if problem == Reproduction.NONDETERMINISTIC:
+            raise GraphEnded
+        if problem == Reproduction.STALE or problem == Reproduction.SAME and worst.kind == Kind.MISMATCH:
+            # against references eager gives today; eager giving them, float64 decides which side rounds
+            self._verify(runner, arbitrated=problem == Reproduction.SAME)
+            return
         source = context.observations[self.plan.calls[worst.index]].source or "recorded call"
         result.kind = worst.kind
         call = context.ids[self.plan.calls[worst.index]]
@@ -354,7 +352,7 @@ class GraphCheck:
         if cache and key and (not variation.failed or guessed):
             with contextlib.suppress(OSError):  # an unwritable cache costs the next run its speed, noted by the export
                 cache.store_exploration(key, result.variations)
-        result.notes.extend(_variation_notes(variation))
+        result.notes.extend(variation.notes())
         if guessed:
             return variation  # no reason, no repro: _stages keeps the dims static and exports again
         if variation.failed and variation.max_abs is None and self._evaluator_failed(variation.detail):
@@ -379,19 +377,6 @@ class GraphCheck:
         return {"target": context.target, "examples": context.examples, "seed": context.settings.hypothesis_seed,
                 "atol": context.tolerance.atol, "rtol": context.tolerance.rtol, "shapes": self.shapes.to_json(),
                 "asserted": [str(condition) for condition in self.asserted]}
-
-
-def _variation_notes(variation: VariationOutcome) -> list[str]:
-    """What an exploration tells besides its failure: examples where eager rounds, examples eager rejects."""
-    notes = []
-    if variation.rounded:
-        notes.append(f"variations: {variation.rounded} examples differ from eager beyond tolerance where eager rounds "
-                     "as much (the graph is within tolerance of the model in float64 widened by eager's distance from "
-                     "it)")
-    if variation.tried and not variation.valid:
-        notes.append(f"variations: eager rejected all {variation.tried} generated examples: the model relates sizes "
-                     "that the shape model keeps independent (e.g. mask = seq + a constant past)")
-    return notes
 
 
 def _json_native(values: dict[str, Any]) -> dict[str, Any]:

@@ -102,6 +102,19 @@ class VariationOutcome:
         del summary["failing_leaves"]
         return summary
 
+    def notes(self) -> list[str]:
+        """What the exploration tells besides its failure: examples where eager rounds, examples
+        eager rejects."""
+        notes = []
+        if self.rounded:
+            notes.append(f"variations: {self.rounded} examples differ from eager beyond tolerance where eager rounds "
+                         "as much (the graph is within tolerance of the model in float64 widened by eager's distance "
+                         "from it)")
+        if self.tried and not self.valid:
+            notes.append(f"variations: eager rejected all {self.tried} generated examples: the model relates sizes "
+                         "that the shape model keeps independent (e.g. mask = seq + a constant past)")
+        return notes
+
     @classmethod
     def from_json(cls, summary: dict[str, Any] | None) -> VariationOutcome | None:
         """The outcome :meth:`to_json` summarized; ``None`` for no summary or one of other fields."""
