@@ -13,9 +13,9 @@ copy is translated.  Another op the registry lacks (``broadcast_tensors``, ``dif
 ``reshape_as``, ``binary_cross_entropy_with_logits``, an average pool to another size than 1)
 is replaced by its decomposition traced alone on the fake values torch.export recorded for its
 inputs: what the decomposition of the whole program would make of it, without tracing the model
-again.  An op whose decomposition
-does not trace so, an in-place op another value could see, or another higher-order op
-(an enabled autocast, control flow) leaves the program to the decomposition.
+again.  An op whose decomposition does not trace so, an in-place op another value could see, or
+another higher-order op (an enabled autocast, control flow) leaves the program to the
+decomposition.
 """
 
 from __future__ import annotations
@@ -151,8 +151,7 @@ def as_translatable(
     in-place ops on values nothing else aliases made functional, and any other op the registry
     lacks replaced by its decomposition traced on its own (``decompositions``: torch.onnx's
     table; see :func:`_decompose_in_place`), as is an average pool the global-mean rewrite does
-    not take; ``None`` when an op cannot be so.  ``program``
-    itself is left as it is."""
+    not take; ``None`` when an op cannot be so.  ``program`` itself is left as it is."""
     graph = copy.deepcopy(program.graph)
     for traced, copied in zip(program.graph.nodes, graph.nodes):
         copied.name = traced.name  # the names the signature holds: a copy avoids builtins (``input``)

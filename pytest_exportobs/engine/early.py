@@ -50,14 +50,13 @@ class EarlyChecks:
         self.checked = 0  # groups handed to children
         self.child: BaseProcess | None = None
         self.scratch: Path | None = None  # the children's export directory (not the session's)
-        self.rerun = False  # a child found every check it was handed recorded: no more children
 
     def after_test(self, groups: Iterable[ModelGroup]) -> None:
         """Note each group's calls after a test; when no child runs, fork one for the groups
         that kept theirs over the whole test and were not checked with them yet (none once a
         child found all of its checks recorded)."""
-        if self.rerun:
-            return
+        if self.child is not None and self.child.exitcode == ALL_RECORDED:
+            return  # a rerun: the other groups' checks are most likely recorded too
         ready = []
         for group in groups:
             calls = group.recorder.num_obs()
@@ -66,9 +65,6 @@ class EarlyChecks:
             if calls and unchanged and self.handed.get(id(group)) != calls:
                 ready.append(group)
         if not ready or self.child is not None and self.child.is_alive():
-            return
-        if self.child is not None and self.child.exitcode == ALL_RECORDED:
-            self.rerun = True
             return
         for group in ready:
             self.handed[id(group)] = self.calls[id(group)]

@@ -212,9 +212,9 @@ def _accumulate_part(
     largest = float(delta.max())
     # within the floor everywhere (most outputs): no value is beyond, nothing padded to set apart
     beyond = delta > magnitude.mul(rtol).add_(floor) if largest > floor else None
-    if beyond is not None and padded is not None and bool((beyond & padded).any()):
-        result.n_padded += int((beyond & padded).sum())
-        result.padded_max_abs = max(result.padded_max_abs, float(delta[beyond & padded].max()))
+    if beyond is not None and padded is not None and bool((unread := beyond & padded).any()):
+        result.n_padded += int(unread.sum())
+        result.padded_max_abs = max(result.padded_max_abs, float(delta[unread].max()))
         beyond, delta = beyond & ~padded, torch.where(padded, torch.zeros_like(delta), delta)
         largest = float(delta.max())
     result.n_values += delta.numel()
@@ -222,8 +222,8 @@ def _accumulate_part(
     result.n_beyond += n_beyond
     result.max_abs = max(result.max_abs, largest)
     result.max_rel = max(result.max_rel, float((delta / magnitude.add_(EPS)).max()))
-    if n_beyond and float(delta[beyond].max()) > result._worst_delta:
-        result.worst, result._worst_delta = where, float(delta[beyond].max())
+    if n_beyond and (worst := float(delta[beyond].max())) > result._worst_delta:
+        result.worst, result._worst_delta = where, worst
     result.histogram = [total + count for total, count in zip(result.histogram, _histogram(delta, largest))]
 
 
