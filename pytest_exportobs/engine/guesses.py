@@ -37,16 +37,13 @@ def stepped(shapes: ShapeModel, variation: VariationOutcome, onnx_path: str, not
         return None
     moved = [spatial[name] for name in free]
     traced = export_sizes(shapes)
-    sizes = complete_sizes(shapes, {**traced, **(variation.failing_sizes or {})})
+    sizes = _failing_sizes(shapes, variation)
     steps = {name: 2 if shapes.step_of(name) == 1 else MAX_STEP for name in moved}
     if any(traced[name] % step or step <= shapes.step_of(name) or sizes[name] % step == 0
            for name, step in steps.items()):
         return None
-    line = failure_line(onnx_path, variation.detail)
-    shown = ", ".join(f"{name}={sizes[name]}" for name in moved)
     notes.append(f"{', '.join(f'{name} in multiples of {step}' for name, step in steps.items())}: the graph fails at "
-                 f"{shown} ({f'in {line}' if line else variation.detail}), where eager runs; the tests never varied "
-                 "them")
+                 f"{_failures(shapes, variation, onnx_path)}, where eager runs; the tests never varied them")
     for name, step in steps.items():
         shapes = shapes.stepped(name, step)
     return shapes
@@ -59,20 +56,42 @@ def kept_static(shapes: ShapeModel, variation: VariationOutcome, onnx_path: str,
     guessed = moved_guesses(shapes, variation)
     if not guessed:
         return None
-    line = failure_line(onnx_path, variation.detail)
-    stepped_by = {shapes.blocks_of(v.name): v.name for v in shapes.variables if v.axes}  # a step's free variable
-    named = [stepped_by.get(name, name) for name in guessed]
-    sizes = complete_sizes(shapes, {**export_sizes(shapes), **(variation.failing_sizes or {})})
-    shown = ", ".join(f"{name}={sizes[name]}" for name in named)
-    notes.append(f"{', '.join(named)} kept static: the tests never varied them and the graph fails at {shown} "
-                 f"({f'in {line}' if line else variation.detail}), where eager runs")
+    named = [_stepped_by(shapes).get(name, name) for name in guessed]
+    notes.append(f"{', '.join(named)} kept static: the tests never varied them and the graph fails at "
+                 f"{_failures(shapes, variation, onnx_path)}, where eager runs")
     for name in guessed:
         shapes = shapes.without(name)
     return shapes
 
 
 def moved_guesses(shapes: ShapeModel, variation: VariationOutcome) -> list[str]:
-    """The guessed dims whose sizes in a failing variation are not the traced ones."""
-    failing, traced = variation.failing_sizes or {}, export_sizes(shapes)
+    """The guessed dims whose sizes in a failing variation are not the traced ones, and those
+    failing alike (see :mod:`.explore.alike`)."""
+    failing, traced = {**(variation.failing_sizes or {}), **variation.alike}, export_sizes(shapes)
     return [v.name for v in shapes.variables if v.source == DimSource.GUESS
             and failing.get(v.name, traced.get(v.name)) != traced.get(v.name)]
+
+
+def _failures(shapes: ShapeModel, variation: VariationOutcome, onnx_path: str) -> str:
+    """``width=32 (in file.py:12: code)``, the sizes a failing variation moved and the line it
+    fails in (else its detail), then ``, and alike at height=32 alone`` for the sides failing alike."""
+    sizes, traced, stepped_by = _failing_sizes(shapes, variation), export_sizes(shapes), _stepped_by(shapes)
+    guessed = {v.name for v in shapes.variables if v.source == DimSource.GUESS}
+
+    def shown(free: dict[str, int]) -> str:
+        named = [stepped_by.get(name, name) for name in free if name in guessed and free[name] != traced.get(name)]
+        return ", ".join(f"{name}={sizes[name]}" for name in named)
+
+    line = failure_line(onnx_path, variation.detail)
+    alike = f", and alike at {shown(variation.alike)} alone" if variation.alike else ""
+    return f"{shown(variation.failing_sizes or {})} ({f'in {line}' if line else variation.detail}){alike}"
+
+
+def _failing_sizes(shapes: ShapeModel, variation: VariationOutcome) -> dict[str, int]:
+    """Every variable's size, the failing variation's and the alike sides' moved (each their own)."""
+    return complete_sizes(shapes, {**export_sizes(shapes), **(variation.failing_sizes or {}), **variation.alike})
+
+
+def _stepped_by(shapes: ShapeModel) -> dict[str, str]:
+    """The stepped variables, by the free variable each is a multiple of."""
+    return {shapes.blocks_of(v.name): v.name for v in shapes.variables if v.axes}

@@ -4,6 +4,8 @@ meta device, sides a model branches on or pins (no pytest session)."""
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 from pathlib import Path
 
 import onnx
@@ -38,6 +40,14 @@ def line_of(text: str, path: Path = Path(__file__).parent.parent / "models.py") 
     lines = path.read_text().splitlines()
     number = next(i for i, line in enumerate(lines, 1) if text in line)
     return f"tests/models.py:{number}: {lines[number - 1].strip()}"
+
+
+def failing_and_alike(note: str, line: str) -> dict[str, int]:
+    """The sides of a note's ``fails at width=9 (in <line>), and alike at height=9 alone``: the
+    failing example's side, then the one failing alike, with their sizes."""
+    match = re.search(rf"fails at (\w+)=(\d+) \(in {re.escape(line)}\), and alike at (\w+)=(\d+) alone", note)
+    assert match, note
+    return {match[1]: int(match[2]), match[3]: int(match[4])}
 
 
 def run_onnx(path: str, images: torch.Tensor) -> torch.Tensor:
@@ -90,11 +100,11 @@ def test_guessed_sides_the_graph_raises_at_when_odd_are_kept_in_steps_of_two_wit
     result = check_model(group, settings(tmp_path))
     assert (result.verdict, result.stage) == ("passed", "variations"), result.reason
     assert result.dims == {"pixel_values": {"0": "batch", "2": "height", "3": "width"}}
-    stepped = [n for n in result.notes if " in multiples of 2: the graph fails at " in n]
+    (stepped,) = [n for n in result.notes if " in multiples of 2" in n]  # both sides found on one graph
     reshape = line_of("patches = x.reshape(batch, channels, new_h // p, p, new_w // p, p)")
-    assert stepped and all(n.endswith(f"(in {reshape}), where eager runs; the tests never varied them")
-                           for n in stepped), stepped
-    assert {n.split(" in multiples")[0] for n in stepped} == {"height", "width"}
+    assert stepped.startswith("height in multiples of 2, width in multiples of 2: the graph fails at "), stepped
+    assert stepped.endswith(" alone, where eager runs; the tests never varied them"), stepped
+    assert failing_and_alike(stepped, reshape) == {"width": 9, "height": 9}, stepped
     unseen = torch.randn(4, 3, 10, 12)
     with torch.no_grad():
         torch.testing.assert_close(run_onnx(result.onnx_path, unseen), model(unseen), rtol=1e-4, atol=1e-5)
@@ -216,11 +226,46 @@ def test_guessed_sides_the_graph_serves_in_no_step_are_kept_static_with_the_fail
     result = check_model(group, settings(tmp_path))
     assert (result.verdict, result.stage) == ("passed", "variations"), result.reason
     assert result.dims == {"pixel_values": {"0": "batch"}}
-    kept = [n for n in result.notes if "kept static" in n]
+    (kept,) = [n for n in result.notes if "kept static" in n]  # both sides found on one graph
     reshape = line_of("patches = x.reshape(batch, channels, new_h // p, p, new_w // p, p)")
-    assert kept and all(n.endswith(f"(in {reshape}), where eager runs") for n in kept), kept
-    assert {side for n in kept for side in n.split(" kept static")[0].split(", ")} == {"height", "width"}
+    assert kept.startswith("height, width kept static: the tests never varied them and the graph fails at "), kept
+    assert kept.endswith(" alone, where eager runs"), kept
+    assert failing_and_alike(kept, reshape) == {"width": 10, "height": 10}, kept
     unseen = torch.randn(4, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(run_onnx(result.onnx_path, unseen), model(unseen), rtol=1e-4, atol=1e-5)
+
+
+class ColumnMixer(torch.nn.Module):
+    """Columns of 4 mixed across the width only: a width that is no multiple of 4 is interpolated
+    to one first (a branch traced once), any height is served."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Linear(4, 4)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        batch, channels, height, width = pixel_values.shape
+        columns = math.ceil(width / 4) * 4
+        x = pixel_values
+        if columns != width:
+            x = torch.nn.functional.interpolate(x, size=(height, columns), mode="bilinear")
+        mixed = self.mix(x.reshape(batch, channels, height, columns // 4, 4)).reshape(batch, channels, height, columns)
+        return mixed[..., :width]
+
+
+@pytest.mark.slow
+def test_a_side_the_graph_serves_stays_dynamic_beside_one_it_fails_on(tmp_path: Path) -> None:
+    """The width fails the graph (its reshape into columns), the height moved alone does not: the
+    width alone is refined, the height stays dynamic and the ONNX serves heights never used."""
+    model = ColumnMixer().eval()
+    group = observed(model, (torch.randn(2, 3, 8, 8),), (torch.randn(3, 3, 8, 8),))
+    result = check_model(group, settings(tmp_path))
+    assert (result.verdict, result.stage) == ("passed", "variations"), result.reason
+    assert result.dims == {"pixel_values": {"0": "batch", "2": "height"}}
+    refined = [n for n in result.notes if "the graph fails at" in n]
+    assert refined and all(n.startswith("width ") and "alike" not in n for n in refined), refined
+    unseen = torch.randn(4, 3, 13, 8)
     with torch.no_grad():
         torch.testing.assert_close(run_onnx(result.onnx_path, unseen), model(unseen), rtol=1e-4, atol=1e-5)
 

@@ -31,7 +31,7 @@ import math
 import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from random import Random
 from typing import TYPE_CHECKING, Any
@@ -57,6 +57,7 @@ from ..base.eager import ModelRaised
 from ..export.domain import satisfied
 from ..verify.arbiter import Float64Model
 from ..verify.compare import Discrepancy, OutputLayout, Tolerance, run_and_compare
+from .alike import failing_alike
 
 if TYPE_CHECKING:
     import hypothesis
@@ -82,7 +83,8 @@ class VariationOutcome:
     ``tried`` counts distinct examples run (generation and shrinking), ``valid`` those eager
     accepts, ``invalid`` those eager rejects, ``failed`` the valid ones the exported model got
     wrong, ``rounded`` the valid ones it got right where eager rounds (the model in float64
-    decided).  ``examples`` lists the free sizes tried, in order.
+    decided).  ``examples`` lists the free sizes tried, in order; ``alike``, the other guessed
+    sides failing as the smallest failing example does (see :mod:`.alike`).
     """
 
     tried: int = 0
@@ -95,6 +97,7 @@ class VariationOutcome:
     detail: str = ""
     failing_leaves: Leaves | None = None
     examples: list[Sizes] = field(default_factory=list)
+    alike: Sizes = field(default_factory=dict)  # guessed sides failing alike, each moved alone (see .alike)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-native summary, without the failing leaves."""
@@ -193,7 +196,8 @@ def explore(
 ) -> VariationOutcome:
     """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them, then,
     unless one failed, the largest (every free size at the high of its range, whatever
-    hypothesis drew); never raises for a model problem (an exception of ``run`` fails its example).
+    hypothesis drew), and after a failure the other guessed sides (:mod:`.alike`); never raises
+    for a model problem (an exception of ``run`` fails its example).
     ``recorded_only``: see :func:`size_ranges`; ``pad_token_id``: see :func:`~..shapes.synthesis.recipes`;
     ``asserted``: conditions on the sizes the export asserts at run time (an example breaking one
     is invalid: outside the domain of the export, whatever eager makes of it); ``storage_dir``:
@@ -223,7 +227,8 @@ def explore(
     largest = {name: high for name, (_, high) in ranges.items()}
     if minimal is None and (verdict := trials.verdict(largest)) is not None and not verdict.ok:
         minimal = largest  # hypothesis' draws missed it: a graph that serves only small sizes
-    return trials.outcome(minimal)
+    alike = failing_alike(trials.verdict, shapes, ranges, traced, minimal) if minimal is not None else {}
+    return replace(trials.outcome(minimal), alike=alike)
 
 
 def prepare_variations(storage_dir: Path) -> None:
