@@ -36,6 +36,7 @@ from .base.result import GraphResult, ModelResult
 from .base.settings import CheckSettings
 from .context import ModelContext
 from .export.digests import module_digest
+from .export.learned import LearnedDims
 from .export.pipeline import Traced
 from .export.tracing_patches import TracingPatches
 from .graph import GraphCheck
@@ -78,12 +79,13 @@ def check_model(
 
 @dataclass
 class _Shared:
-    """What the check of one target hands the next: the references of each side's calls and the
-    digest of each side's module as the first check found it (by the side's group), the programs
-    traced, by trace key."""
+    """What one target's check hands the next, one family of calls the next: by the side's group,
+    its calls' references, its module's digest as first found and what torch said of its named
+    dims; the programs traced, by trace key."""
 
     references: dict[int, Any] = field(default_factory=dict)
     digests: dict[int, Any] = field(default_factory=dict)
+    learned: dict[int, LearnedDims] = field(default_factory=dict)
     traces: dict[str, Traced] = field(default_factory=dict)
 
 
@@ -307,6 +309,7 @@ class _ModelCheck:
             observations=[observations[i] for i in family], references=[found.outputs[i] for i in family],
             quiet=self._quiet, progress=self.progress, ids=list(family),
             module_digest=self.shared.digests.get(id(self.group)),
+            learned=self.shared.learned.setdefault(id(self.group), LearnedDims()),
         )
 
     def _check_graphs(

@@ -45,7 +45,7 @@ class ModelContext:
     progress: Callable[[Stage, str], None]
     ids: list[int]  # per call here, its number among the model's recorded calls
     module_digest: Any = None  # the module's, before the check called it (see ExportCache.module_digest)
-    learned: LearnedDims = field(default_factory=LearnedDims)  # what torch said of its named dims so far
+    learned: LearnedDims = field(default_factory=LearnedDims)  # what torch said of the model's named dims so far
     _float64: Float64Copy | None = field(default=None, init=False, repr=False)
 
     @property

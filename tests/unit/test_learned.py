@@ -4,6 +4,7 @@ traces (``engine/export/learned``), on the messages the installed torch writes."
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,11 @@ from torch.export import Dim
 from pytest_exportobs import InputObserver
 from pytest_exportobs.compat.torch_private import ExportUserError
 from pytest_exportobs.compat.torch_text import Violation, affine_of_root, dim_range, suggested_fixes, violations
+from pytest_exportobs.engine.base.settings import CheckSettings
+from pytest_exportobs.engine.check import check_model
 from pytest_exportobs.engine.export.learned import LearnedDims, LearnedFix
 from pytest_exportobs.engine.export.tracing import Capture, Example, _unfixed, trace
+from pytest_exportobs.observe.store import ObserveOptions, SessionStore
 from pytest_exportobs.shapes.model import ShapeModel
 
 
@@ -179,3 +183,47 @@ def test_a_models_next_trace_names_the_dims_as_torch_suggested_on_its_first_and_
     (images, labels) = inputs[1]
     assert str(images[2]).startswith("2*") and str(labels[0]).startswith("2*")  # the sides and labels in pairs
     assert [images[1], images[3]] == [3, 8]
+
+
+class LargeEnough(torch.nn.Module):
+    """Rejects images smaller than its kernel of 5 (a branch on the sides: torch takes sides from
+    5 on only), then shifts each image by its ``shift``, of one value or a column of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 5)
+
+    def forward(self, images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        if images.shape[2] < 5 or images.shape[3] < 5:
+            raise ValueError("images smaller than the kernel")
+        return self.conv(images) + shift.reshape(-1, 1, 1, 1)
+
+
+def test_the_families_of_a_models_calls_share_what_torch_said_of_its_dims(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls of two input structures (shifts of rank 1 and 2) are two families of the model, each
+    with its graphs: torch rejects the named sides of the first family's only, the second names
+    them as torch suggested there; both keep the same dynamic dims."""
+    rejected: list[str] = []
+    export = torch.export.export
+
+    def counted_export(module: torch.nn.Module, *args: object, **kwargs: object) -> torch.export.ExportedProgram:
+        try:
+            return export(module, *args, **kwargs)
+        except ExportUserError:
+            rejected.append(type(module).__name__)
+            raise
+
+    monkeypatch.setattr(torch.export, "export", counted_export)
+    store, model = SessionStore(), LargeEnough()
+    with store.observe(model, "shifted", ObserveOptions(), "test_learned.py::test") as group, torch.no_grad():
+        for batch, height, rank in ((2, 16, 1), (3, 12, 1), (2, 20, 2), (4, 8, 2)):
+            model(torch.randn(batch, 3, height, 8 + batch), torch.randn(batch, *[1] * (rank - 1)))
+    result = check_model(group, CheckSettings(export_dir=tmp_path, examples=2, hypothesis_seed=0, use_cache=False))
+    assert result.verdict == "passed", result.reason
+    assert [g.dims["images"] for g in result.graphs] == [{"0": "batch", "2": "height", "3": "width"}] * 2
+    assert len(rejected) == 1
+    assert [n for g in result.graphs for n in g.notes if n.startswith("named dims")] == [
+        "named dims refined with torch's suggested fixes: height = Dim('height', min=5); width = Dim('width', min=5)",
+        "named dims as torch suggested on an earlier graph of the model: height = Dim('height', min=5); "
+        "width = Dim('width', min=5)"]

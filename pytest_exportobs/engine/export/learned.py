@@ -5,8 +5,9 @@ takes in steps, on guards that cannot wait as runtime asserts, and suggests ``he
 2*_height`` on a new root ``_height`` (diffusers' UNets: ``8*_height`` for UNet2DModel), or a
 range (UNet2DConditionModel: ``batch = Dim('batch', max=63)``); it rejects a dim on guards no
 fix expresses (a backbone's ``batch != 1``), and only ``Dim.DYNAMIC`` dims are taken then.
-The graphs of one model run the same code on the same inputs' sides, so each would be rejected
-the same way, a wasted trace each.
+The graphs of one model (of every family of its calls: with and without labels, a cache or
+none) run the same code on the same inputs' sides, so each would be rejected the same way, a
+wasted trace each.
 :class:`LearnedDims` keeps these lessons for the model's next traces: a derived dim or a range
 is named so up front wherever the example's sizes are of its form; a dim rejected without a
 fix sends the trace to ``Dim.DYNAMIC`` at once.  torch still rejects, and suggests again,
