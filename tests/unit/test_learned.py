@@ -41,6 +41,25 @@ NAMED = ({0: Dim("batch"), 2: Dim("height")}, {0: Dim("n")})
 EXAMPLE = (torch.randn(3, 3, 16, 8), torch.zeros(6))
 
 
+def export_outcomes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The outcome of each ``torch.export.export`` call from now on, in order: ``rejected`` (named
+    dims torch rejects) or ``taken``."""
+    outcomes: list[str] = []
+    export = torch.export.export
+
+    def counted_export(*args: object, **kwargs: object) -> torch.export.ExportedProgram:
+        try:
+            program = export(*args, **kwargs)
+        except ExportUserError:
+            outcomes.append("rejected")
+            raise
+        outcomes.append("taken")
+        return program
+
+    monkeypatch.setattr(torch.export, "export", counted_export)
+    return outcomes
+
+
 def rejection(model: torch.nn.Module, named: tuple = NAMED) -> str:
     with pytest.raises(ExportUserError, match="Constraints violated") as info:
         torch.export.export(model, EXAMPLE, dynamic_shapes=named)
@@ -151,19 +170,7 @@ def test_a_models_next_trace_names_the_dims_as_torch_suggested_on_its_first_and_
         model(torch.randn(3, 3, 16, 8), torch.zeros(6))
         model(torch.randn(4, 3, 12, 8), torch.zeros(10))
     shapes = ShapeModel.from_aligned(observer.aligned(), None, None)
-    outcomes: list[str] = []
-    export = torch.export.export
-
-    def counted_export(*args: object, **kwargs: object) -> torch.export.ExportedProgram:
-        try:
-            program = export(*args, **kwargs)
-        except ExportUserError:
-            outcomes.append("rejected")
-            raise
-        outcomes.append("taken")
-        return program
-
-    monkeypatch.setattr(torch.export, "export", counted_export)
+    outcomes = export_outcomes(monkeypatch)
     capture = Capture(oblivious=False, learned=LearnedDims())  # torch.export's own sizes: it rejects the pairs
     exports, notes, inputs = [], [], []
     for call in (0, 1):
@@ -204,17 +211,7 @@ def test_the_families_of_a_models_calls_share_what_torch_said_of_its_dims(
     """Calls of two input structures (shifts of rank 1 and 2) are two families of the model, each
     with its graphs: torch rejects the named sides of the first family's only, the second names
     them as torch suggested there; both keep the same dynamic dims."""
-    rejected: list[str] = []
-    export = torch.export.export
-
-    def counted_export(module: torch.nn.Module, *args: object, **kwargs: object) -> torch.export.ExportedProgram:
-        try:
-            return export(module, *args, **kwargs)
-        except ExportUserError:
-            rejected.append(type(module).__name__)
-            raise
-
-    monkeypatch.setattr(torch.export, "export", counted_export)
+    outcomes = export_outcomes(monkeypatch)
     store, model = SessionStore(), LargeEnough()
     with store.observe(model, "shifted", ObserveOptions(), "test_learned.py::test") as group, torch.no_grad():
         for batch, height, rank in ((2, 16, 1), (3, 12, 1), (2, 20, 2), (4, 8, 2)):
@@ -222,7 +219,7 @@ def test_the_families_of_a_models_calls_share_what_torch_said_of_its_dims(
     result = check_model(group, CheckSettings(export_dir=tmp_path, examples=2, hypothesis_seed=0, use_cache=False))
     assert result.verdict == "passed", result.reason
     assert [g.dims["images"] for g in result.graphs] == [{"0": "batch", "2": "height", "3": "width"}] * 2
-    assert len(rejected) == 1
+    assert outcomes.count("rejected") == 1
     assert [n for g in result.graphs for n in g.notes if n.startswith("named dims")] == [
         "named dims refined with torch's suggested fixes: height = Dim('height', min=5); width = Dim('width', min=5)",
         "named dims as torch suggested on an earlier graph of the model: height = Dim('height', min=5); "
