@@ -131,10 +131,14 @@ def _forked_phase(
         yield from map(interrupted, groups + in_process)
         return
     here = _Here(SharedQueue.of([(g, trackers[id(g)]) for g in in_process]), cores)
+    by_name = {g.name: g for g in groups}
     with _heap_frozen(), _threads_kept():
         try:
-            yield from _forked(SharedQueue.of([(g, trackers[id(g)]) for g in groups]), settings, jobs, spilled,
-                               here, isolate)
+            for result in _forked(SharedQueue.of([(g, trackers[id(g)]) for g in groups]), settings, jobs, spilled,
+                                  here, isolate):
+                if spilled is not None and result.name in by_name:  # while the children go on, not after
+                    spilled.give_back(by_name[result.name])
+                yield result
         finally:
             if spilled is not None:
                 spilled.remove()
@@ -249,7 +253,11 @@ def _forked(
                 result = _checked_here(*current, settings)
                 current = None
                 yield result
-            finished = ended(running, block=not local.waiting) if running else []
+            # wait only when no check is left to run here and no child to start: the job's place
+            # the last check here took goes back to the children at once (not once a child ends,
+            # which may check its family's models for a long while)
+            idle = not local.waiting and not (forked.waiting and len(running) < jobs)
+            finished = ended(running, block=idle) if running else []
             for child in running:
                 yield from child.taken()
             for child, late in finished:

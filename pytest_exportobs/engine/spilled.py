@@ -7,7 +7,8 @@ the group's own and gives each tensor a one-element stand-in of its shape (``ten
 ...``: the same tensor objects, version counters untouched, so recorded calls still count as
 made with these weights).  A child points each group's tensors at the group's file for the
 group's check, memory-mapped (only what the check reads is loaded), and at stand-ins again
-after it.  The parent points every tensor back once the checks are over: nothing is lost.  What
+after it.  The parent points a group's tensors back as soon as its check is over, those of the
+groups left once the checks are: nothing is lost.  What
 the parent freed is given back to the system before it forks (:func:`return_free_memory`).
 """
 
@@ -76,6 +77,12 @@ class SpilledWeights:
         for _, tensors in self._of(group):
             for tensor in tensors.values():
                 tensor.data = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+
+    def give_back(self, group: ModelGroup) -> None:
+        """Point the tensors of ``group``, whose check is over, at their values for good
+        (:meth:`remove` leaves them as they are)."""
+        self.restore(group)
+        self.files.pop(id(group), None)
 
     def _of(self, group: ModelGroup | None) -> list[tuple[Path, Spilled]]:
         """The files and tensors of ``group``, or of every group (``None``)."""

@@ -1844,6 +1844,43 @@ def test_checks_in_process_go_on_after_the_forked_ones_ended(tmp_path: Path, mon
     assert [(r.name, r.verdict) for r in results] == [("mlp0", "passed"), ("wider", "passed"), ("mlp1", "passed")]
 
 
+def test_the_job_of_the_last_check_in_process_goes_back_to_the_children_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rerun with one check the export cache serves, in process, and two changed models of one
+    family, forked: once the check in process ends, a second child starts for the second model,
+    while the first child still checks its first (which waits here for the second to begin).
+    Waiting for the first child to end would leave a core idle while it checks its family's
+    models one after the other."""
+    from pytest_exportobs.engine import runner
+
+    def groups(batch: int) -> list[ModelGroup]:
+        return [observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(5, 8),), name="served"),
+                *(observed(MLP().eval(), (torch.randn(2, 8),), (torch.randn(batch, 8),), name=f"changed{i}")
+                  for i in range(2))]
+
+    checked = settings(tmp_path)
+    assert [r.verdict for r in runner.check_all(groups(4), checked, isolate=False, jobs=2)] == ["passed"] * 3
+    second_began = tmp_path / "second began"
+
+    def checking(group: ModelGroup, check_settings: CheckSettings, *progress: Any) -> Any:
+        if group.name == "changed1":
+            second_began.touch()
+        deadline = time.monotonic() + 30
+        while group.name == "changed0" and not second_began.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return _with_pid(check_model(group, check_settings, *progress))
+
+    monkeypatch.setattr(runner, "check_model", checking)
+    began = time.monotonic()
+    results = {r.name: r for r in runner.check_all(groups(6), checked, isolate=False, jobs=2)}
+    assert {name: r.verdict for name, r in results.items()} == {"served": "passed", "changed0": "passed",
+                                                                "changed1": "passed"}
+    pids = {name: _pid(r) for name, r in results.items()}
+    assert pids["served"] == os.getpid() and len({*pids.values()}) == 3
+    assert time.monotonic() - began < 30
+
+
 def test_a_forked_helper_shares_the_checks_in_process_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rerun of ten small models the export cache serves: one forked helper and this process
     (on the job left to it) take them in turn from one queue, each model checked once."""

@@ -88,6 +88,24 @@ def test_forked_checks_run_on_the_weights_restored_in_each_child_and_the_parent_
     assert not list(tmp_path.glob("weights-*"))
 
 
+def test_the_parent_gets_a_groups_weights_back_as_soon_as_its_check_is_over(tmp_path: Path) -> None:
+    """Not once every check is: the first result comes with its model's values, while the model
+    whose result has not come yet still holds its stand-ins."""
+    torch.manual_seed(0)
+    groups = {f"mlp{i}": observed(MLP().eval(), f"mlp{i}", (torch.randn(2, 8),), (torch.randn(5, 8),))
+              for i in range(2)}
+    values = {name: {key: t.clone() for key, t in g.module.state_dict().items()} for name, g in groups.items()}
+    results = runner.check_all(list(groups.values()), CheckSettings(export_dir=tmp_path, examples=0), isolate=True,
+                               jobs=2)
+    first = next(results)
+    second = next(name for name in groups if name != first.name)
+    assert all(torch.equal(t, values[first.name][key]) for key, t in groups[first.name].module.state_dict().items())
+    assert stored_bytes(groups[second].module) == 4 * len(list(groups[second].module.parameters()))
+    assert [r.name for r in results] == [second]
+    assert all(torch.equal(t, values[second][key]) for key, t in groups[second].module.state_dict().items())
+    assert not list(tmp_path.glob("weights-*"))
+
+
 def test_a_group_released_after_its_check_holds_stand_ins_again_and_its_values_on_the_next_restore(
         tmp_path: Path) -> None:
     """A child checking several groups in turn: each group's weights mapped for its check only."""
