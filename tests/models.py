@@ -267,6 +267,20 @@ class FixedGrid(torch.nn.Module):
         return self.head((features + self.positions).mean(dim=(2, 3)))
 
 
+class AttentionMaps(torch.nn.Module):
+    """Self-attention of 8 heads over tokens, returning its maps beside the tokens (as a model
+    called with ``output_attentions=True``): the maps grow with the square of the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query_key = torch.nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        query, key = self.query_key(tokens).unflatten(-1, (2, 8, 2)).unbind(2)
+        maps = torch.einsum("bshd,bthd->bhst", query, key).softmax(-1)
+        return tokens.relu(), maps
+
+
 def junit_cases(path: Path) -> dict[str, str]:
     """``classname::name`` -> outcome of every testcase in a junit xml file, each reported once."""
     import xml.etree.ElementTree as ET

@@ -29,7 +29,7 @@ from .context import ModelContext
 from .diagnosis import Diagnosis
 from .explore.variations import VariationOutcome, explore
 from .export.cache import ExportCache
-from .export.domain import conditions, satisfied
+from .export.domain import conditions, expression, satisfied
 from .export.lowering import Delegation, UpperBound, bounds_note
 from .export.outcome import ExportOutcome
 from .export.pipeline import export_model
@@ -56,6 +56,7 @@ class GraphCheck:
         self.split: list[int] = []  # model call indices to move to a graph of their own
         self.apart = ""  # the sizes of calls split off because a restriction excludes them
         self.asserted: list[Any] = []  # conditions on sizes the program asserts, the ONNX file does not check
+        self.output_elements: Any = None  # how many elements the outputs hold, by the variables (None: unknown)
         self.program: torch.export.ExportedProgram | None = None  # as traced (None: from the export cache)
         self.graph_file: Path | None = None  # the ONNX file the runner runs
         self._graph_digest = ""
@@ -141,6 +142,7 @@ class GraphCheck:
         self.shapes = outcome.shapes  # as the export refined it
         self.diagnosis.capture = outcome.capture
         self.asserted = conditions(outcome.refinements)
+        self.output_elements = expression(outcome.output_elements) if outcome.output_elements else None
         summary = self.shapes.to_json()
         result.relations, result.bounds = summary["relations"], summary["bounds"]
         result.dim_sources = {v.name: v.source for v in self.shapes.variables if v.axes}
@@ -344,7 +346,7 @@ class GraphCheck:
             ceilings={name: bound.size for name, bound in self.upper_bounds.items()},
             outputs=self.layout,
             pad_token_id=getattr(getattr(context.module, "config", None), "pad_token_id", None),
-            asserted=self.asserted, float64=context.float64(self.shapes),
+            asserted=self.asserted, float64=context.float64(self.shapes), output_elements=self.output_elements,
         ))
         result.timings[Stage.VARIATIONS] = time.perf_counter() - begin
         result.variations = variation.to_json()

@@ -23,6 +23,7 @@ from pytest_exportobs.core.vocabulary import Target
 from pytest_exportobs.engine.base.result import ModelResult
 from pytest_exportobs.engine.base.settings import CheckSettings
 from pytest_exportobs.engine.check import check_model
+from pytest_exportobs.engine.explore.ranges import MAX_OUTPUT_ELEMENTS
 from pytest_exportobs.engine.export import cache, digests
 from pytest_exportobs.engine.verify.compare import OutputLayout, Tolerance, compare, run_and_compare
 from pytest_exportobs.observe.store import ModelGroup, ObserveOptions, SessionStore
@@ -202,6 +203,21 @@ def test_a_rerun_explores_again_the_variations_its_trace_failed(tmp_path: Path) 
     assert (first.verdict, first.kind, again.verdict, again.kind) == ("failed", "variation", "failed", "variation")
     assert again.cache_hit and "variations" in again.graphs[0].timings
     assert again.reason == first.reason
+
+
+def test_the_largest_example_explored_is_bounded_by_its_outputs_also_on_a_trace_from_the_cache(tmp_path: Path) -> None:
+    """Attention maps grow with the square of the tokens: the exploration's highs (every size at
+    once) hold at most MAX_OUTPUT_ELEMENTS in the outputs, as the program says how many they hold;
+    a second check (one more example: explored again) takes that from the export cache's trace."""
+    group = observed(models.AttentionMaps().eval(), (torch.randn(13, 200, 16),), (torch.randn(12, 180, 16),))
+    first = check_model(group, CheckSettings(export_dir=tmp_path, examples=4, hypothesis_seed=0))
+    again = check_model(group, CheckSettings(export_dir=tmp_path, examples=5, hypothesis_seed=0))
+    assert (first.verdict, again.verdict, first.cache_hit, again.cache_hit) == ("passed", "passed", False, True)
+    assert "torch.export" not in again.graphs[0].timings and "variations" in again.graphs[0].timings
+    for result in (first, again):
+        examples = result.graphs[0].variations["examples"]
+        assert examples[-1] == {"batch": 19, "seq": 300}  # the largest: every size at its high
+        assert max(8 * e["batch"] * e["seq"] ** 2 + 16 * e["batch"] * e["seq"] for e in examples) <= MAX_OUTPUT_ELEMENTS
 
 
 class Labelled(MLP):

@@ -13,10 +13,13 @@ from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.core.vocabulary import RefinementKind
 from pytest_exportobs.engine.base.eager import call_model
 from pytest_exportobs.engine.explore.variations import explore
-from pytest_exportobs.engine.export.domain import Refinement, _asserted_divisor, _condition, conditions, satisfied
+from pytest_exportobs.engine.export.domain import Refinement, _asserted_divisor, conditions, expression, satisfied
+from pytest_exportobs.engine.export.integers import integer_value
 from pytest_exportobs.engine.export.pipeline import export_model
 from pytest_exportobs.engine.verify.compare import Tolerance
 from pytest_exportobs.shapes.inference import DimPolicy
+
+from models import AttentionMaps
 
 s, b = sympy.Symbol("s76", integer=True, positive=True), sympy.Symbol("s6", integer=True, positive=True)
 floor = sympy.floor
@@ -101,7 +104,7 @@ def test_an_example_outside_the_conditions_is_invalid_whatever_eager_makes_of_it
             model(torch.randn(2, 3, size, size))
     shapes = ShapeModel.from_aligned(observer.aligned())  # what the calls vary: the side of square images
     (side,) = [v.name for v in shapes.variables]
-    grid = _condition(json.dumps(["Equality", ["Pow", ["FloorDiv", ["Symbol", side], 5], 2], 16]))
+    grid = expression(json.dumps(["Equality", ["Pow", ["FloorDiv", ["Symbol", side], 5], 2], 16]))
 
     def eager(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -121,7 +124,7 @@ def test_an_example_outside_the_conditions_is_invalid_whatever_eager_makes_of_it
 
 
 def test_a_condition_sympy_cannot_decide_at_some_sizes_excludes_none_of_them() -> None:
-    frames = _condition(json.dumps(["Equality", ["FloorDiv", 6, ["Symbol", "frames"]], 2]))
+    frames = expression(json.dumps(["Equality", ["FloorDiv", 6, ["Symbol", "frames"]], 2]))
     assert satisfied([frames], {"frames": 3}) and not satisfied([frames], {"frames": 4})
     assert satisfied([frames], {"frames": 0})  # 6 // 0: undecided, not a size outside the domain
     assert satisfied([frames], {"batch": 4})  # a condition on a variable the sizes lack
@@ -148,8 +151,25 @@ def _sympy_holds(condition: sympy.Basic, sizes: dict[str, int]) -> bool:
     ["Equality", ["FloorDiv", 6, ["Symbol", "width"]], 2],
 ], ids=["patch-grid", "bounds", "multiple", "python-mod", "or-max", "power", "not-clean-div", "divided-by-size"])
 def test_a_condition_computed_on_integers_says_what_sympy_says_at_every_size(tree: list) -> None:
-    condition = _condition(json.dumps(tree))
+    condition = expression(json.dumps(tree))
     for height in range(0, 40):
         for width in (0, 1, 3, 5, 12, 29, 30, 31, 35):
             sizes = {"height": height, "width": width}
             assert satisfied([condition], sizes) == _sympy_holds(condition, sizes), sizes
+
+
+
+def test_the_outputs_elements_are_read_from_the_program_as_a_function_of_the_variables(tmp_path: Path) -> None:
+    """tokens: batch x seq x 16, maps: batch x 8 x seq x seq."""
+    model = AttentionMaps().eval()
+    observer = InputObserver()
+    with observer(model), torch.no_grad():
+        for batch, seq in ((2, 5), (3, 7)):
+            model(torch.randn(batch, seq, 16))
+    shapes = ShapeModel.from_aligned(observer.aligned(), dim_names={"tokens:0": "batch", "tokens:1": "seq"})
+    outcome = export_model(model, shapes, "torch", tmp_path / "model.pt2")
+    assert outcome.ok, outcome.reason
+    batch, seq = sympy.symbols("batch seq", integer=True)
+    assert expression(outcome.output_elements) == 16 * batch * seq + 8 * batch * seq**2
+    assert integer_value(expression(outcome.output_elements), {"batch": 3, "seq": 7}) == 16 * 21 + 8 * 3 * 49
+    assert integer_value(expression(outcome.output_elements), {"batch": 3}) is None  # seq unknown

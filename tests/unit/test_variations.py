@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sympy
 import torch
 from torch.utils import _pytree
 
 from pytest_exportobs import InputObserver, ShapeModel
 from pytest_exportobs.core.vocabulary import AxisRole
 from pytest_exportobs.engine.base.eager import call_model
-from pytest_exportobs.engine.explore.variations import MAX_ELEMENTS, Leaves, VariationOutcome, explore, size_ranges
+from pytest_exportobs.engine.explore.ranges import MAX_ELEMENTS, MAX_OUTPUT_ELEMENTS, size_ranges
+from pytest_exportobs.engine.explore.variations import Leaves, VariationOutcome, explore
 from pytest_exportobs.engine.verify.compare import Tolerance
 from pytest_exportobs.engine.verify.runtimes import OnnxRunner
 from pytest_exportobs.shapes.dims import Relation
@@ -294,6 +296,23 @@ def test_images_grow_at_most_eightfold_over_the_traced_example_and_text_as_befor
     assert all(ranges[name][1] > traced[name] for name in ranges)  # every size still grows
     text = observe(torch.nn.Identity(), (torch.randint(0, 9, (2, 7)),), (torch.randint(0, 9, (3, 5)),))
     assert size_ranges(text) == {"input_dim0": (2, 8), "input_dim1": (2, 14)}
+
+
+def test_the_outputs_of_the_largest_example_hold_at_most_max_output_elements():
+    """Tokens traced at 13x200 whose attention maps (8 heads) grow with the square of the tokens:
+    at twice the batch and the tokens the maps would hold 33M elements; the highs are lowered,
+    the largest growth first, until they hold at most 16M, each still past its traced size.
+    Outputs already past the budget at the traced sizes leave each high one past it."""
+    shapes = observe(torch.nn.Identity(), (torch.randn(13, 200, 16),), (torch.randn(12, 180, 16),))
+    assert export_sizes(shapes) == {"input_dim0": 13, "input_dim1": 200}
+    assert size_ranges(shapes) == {"input_dim0": (2, 26), "input_dim1": (2, 400)}
+    batch, seq = sympy.symbols("input_dim0 input_dim1", integer=True)
+    attention = 8 * batch * seq**2 + 16 * batch * seq
+    assert attention.subs({batch: 26, seq: 400}) > MAX_OUTPUT_ELEMENTS
+    assert size_ranges(shapes, output_elements=attention) == {"input_dim0": (2, 19), "input_dim1": (2, 300)}
+    assert attention.subs({batch: 19, seq: 300}) <= MAX_OUTPUT_ELEMENTS
+    assert size_ranges(shapes, output_elements=80 * batch * seq**2) == {"input_dim0": (2, 14), "input_dim1": (2, 201)}
+    assert size_ranges(shapes, output_elements=16 * batch * seq) == size_ranges(shapes)  # linear: within budget
 
 
 def test_position_ids_of_decode_steps_stay_arange_like(tmp_path):

@@ -36,11 +36,11 @@ from pathlib import Path
 from random import Random
 from typing import TYPE_CHECKING, Any
 
+import sympy
 import torch
 
 from ...compat.hypothesis_private import collect_local_constants
 from ...core.trees import detached_clone
-from ...shapes.axis_roles import SPATIAL
 from ...shapes.model import ShapeModel
 from ...shapes.synthesis import (
     Recipe,
@@ -49,7 +49,6 @@ from ...shapes.synthesis import (
     export_sizes,
     free_variables,
     ignore_padded_labels,
-    leaf_shapes,
     recipes,
     rows_repeated,
 )
@@ -58,18 +57,11 @@ from ..export.domain import satisfied
 from ..verify.arbiter import Float64Model
 from ..verify.compare import Discrepancy, OutputLayout, Tolerance, run_and_compare
 from .alike import failing_alike
+from .ranges import size_ranges
 
 if TYPE_CHECKING:
     import hypothesis
 
-MAX_ELEMENTS = 1 << 19  # elements of the largest generated input (a batch of 3 images of 3x224x224)
-# how much larger than the traced example the largest generated one of a model taking images or
-# signals may be, as the product of each free size's ratio to its traced size: attention over an
-# image's patches grows with the square of its sides and with the batch (a diffusion transformer
-# at 4x the batch, 2x the text and 1.5x each side took 3 GB)
-MAX_GROWTH = 8
-MAX_SIZE = 512  # largest size drawn for any variable
-SMALL_CEILING = 8  # variables observed small may still grow to this size
 DATABASE_PREFIX = b"pytest-exportobs.variations."
 
 Sizes = dict[str, int]
@@ -127,57 +119,6 @@ class VariationOutcome:
             return None
 
 
-def size_ranges(
-    shapes: ShapeModel, max_elements: int = MAX_ELEMENTS, recorded_only: bool = False,
-    ceilings: Mapping[str, int] | None = None,
-) -> dict[str, tuple[int, int]]:
-    """``(low, high)`` of every free variable: from 2 (or the observed minimum when smaller) up
-    to twice the observed maximum (at least 8; an image's side or a signal's length to half again
-    its maximum; at most 512), highs lowered until the largest
-    input at the highs has at most ``max_elements`` elements and, for a model taking images or
-    signals, the highs together are at most :data:`MAX_GROWTH` times the traced sizes, but not
-    below one size past the
-    one the graph was traced at (a size the tests never used stays within reach); a sliding
-    window's term reaches past the window's limit when that is within 512.  With
-    ``recorded_only`` the sizes of empty stand-ins (a cache absent at prefill) do not count as
-    observed.  No high exceeds a variable's ``ceilings`` (the largest size the target planned for)."""
-    bounds = shapes.bounds(recorded_only)
-    spatial = {v.name for v in shapes.variables if v.role in SPATIAL}
-    ranges = {name: _range(*bounds[name], name in spatial) for name in free_variables(shapes)}
-    for window in shapes.windows:
-        if window.term in ranges:
-            low, high = ranges[window.term]
-            ranges[window.term] = (low, max(high, min(window.limit + 2, MAX_SIZE)))
-    for name, ceiling in (ceilings or {}).items():
-        if name in ranges:
-            low, high = ranges[name]
-            ranges[name] = (min(low, ceiling), min(high, ceiling))
-    traced = export_sizes(shapes)
-    floors = {name: min(high, max(low, traced.get(name, low) + 1)) for name, (low, high) in ranges.items()}
-    def growth(name: str) -> float:
-        return ranges[name][1] / max(1, traced.get(name, 1))
-
-    while _largest_input(shapes, {n: high for n, (_, high) in ranges.items()}) > max_elements:
-        if not _shrunk(ranges, floors, key=lambda n: ranges[n][1]):
-            break
-    while spatial and math.prod(growth(n) for n in ranges) > MAX_GROWTH:
-        if not _shrunk(ranges, floors, key=growth):
-            break
-    return ranges
-
-
-def _shrunk(ranges: dict[str, tuple[int, int]], floors: dict[str, int], key: Callable[[str], float]) -> bool:
-    """Lower the high of the range that ``key`` finds largest by a quarter (not below its floor);
-    ``False`` when every high is at its floor."""
-    shrinkable = [n for n, (_, high) in ranges.items() if high > floors[n]]
-    if not shrinkable:
-        return False
-    name = max(shrinkable, key=key)
-    low, high = ranges[name]
-    ranges[name] = (low, max(floors[name], min(high - 1, high * 3 // 4)))
-    return True
-
-
 def explore(
     eager: Callable[[Leaves], list[torch.Tensor | None]],
     run: Callable[[Sequence[Any]], Sequence[Any]],
@@ -193,6 +134,7 @@ def explore(
     storage_dir: Path | None = None,
     float64: Float64Model | None = None,
     ceilings: Mapping[str, int] | None = None,
+    output_elements: sympy.Basic | None = None,
 ) -> VariationOutcome:
     """Run ``examples`` generated examples through ``eager`` and ``run`` and compare them, then,
     unless one failed, the largest (every free size at the high of its range, whatever
@@ -204,11 +146,11 @@ def explore(
     hypothesis' own storage (the constants it reads from the sources of the local modules, cached
     by their hash), ``database_dir`` unless given: one for a session spares each check reading
     every local module again; ``float64``: the model in float64, which judges a mismatch (see
-    :mod:`..verify.arbiter`); ``ceilings``: see :func:`size_ranges`."""
+    :mod:`..verify.arbiter`); ``ceilings``, ``output_elements``: see :func:`size_ranges`."""
     from hypothesis import find, strategies
     from hypothesis.errors import NoSuchExample, Unsatisfiable
 
-    ranges = size_ranges(shapes, recorded_only=recorded_only, ceilings=ceilings)
+    ranges = size_ranges(shapes, recorded_only=recorded_only, ceilings=ceilings, output_elements=output_elements)
     trials = _Trials(eager, run, shapes, tolerance, recipes(shapes, pad_token_id), outputs, list(asserted), float64)
     if not ranges or examples <= 0:
         return trials.outcome(None)
@@ -349,19 +291,6 @@ def _near(anchor: int, low: int, high: int) -> hypothesis.strategies.SearchStrat
 
     anchor = min(max(anchor, low), high)
     return strategies.integers(low - anchor, high - anchor).map(lambda offset: anchor + offset)
-
-
-def _range(observed_min: int, observed_max: int, spatial: bool = False) -> tuple[int, int]:
-    """From 2 to twice the observed maximum (at least :data:`SMALL_CEILING`); an image's side or a
-    signal's length to half again its maximum (the area of an image, and what attention over its
-    patches costs, grows with the square of its sides)."""
-    high = max(observed_max + 1, observed_max * 3 // 2) if spatial else max(2 * observed_max, SMALL_CEILING)
-    return min(2, observed_min), min(high, MAX_SIZE)
-
-
-def _largest_input(shapes: ShapeModel, free: Sizes) -> int:
-    leaf_sizes = [math.prod(s) for s in leaf_shapes(shapes, complete_sizes(shapes, free)) if s is not None]
-    return max(leaf_sizes, default=0)
 
 
 def _settings(examples: int, seed: int | None, database_dir: Path) -> hypothesis.settings:

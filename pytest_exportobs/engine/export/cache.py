@@ -52,8 +52,8 @@ from .domain import Refinement
 # cache copied or restored in CI keeps, not by its inode and modification time; 8: failed exports
 # kept, the plugin's code in every key; 9: the graph file's size and time beside its digest, the
 # order of a graph's outputs; 10: how torch.export captured the program; 11: the pinned variable
-# of a failure, a probe's refinements replayed)
-ENTRY_FORMAT = 11
+# of a failure, a probe's refinements replayed; 12: how many elements a trace's outputs hold)
+ENTRY_FORMAT = 12
 PROBE_REFINEMENTS = ("without", "tied", "stepped")  # the ShapeModel refinements a probe entry replays
 
 
@@ -78,8 +78,9 @@ class ExportFailure:
 class TraceEntry:
     """What a trace established: the key of its graph entry (``""`` when it failed), notes, the
     refinements of the shape model, the names of the graph's outputs, how torch was given the dims,
-    the export's ``failure``, if it failed, and how torch.export captured the program (``strict``,
-    ``oblivious``: see :class:`~.tracing.Capture`)."""
+    the export's ``failure``, if it failed, how torch.export captured the program (``strict``,
+    ``oblivious``: see :class:`~.tracing.Capture`) and how many elements the outputs hold (see
+    :func:`~.domain.output_elements`)."""
 
     graph: str
     notes: list[str] = field(default_factory=list)
@@ -89,6 +90,7 @@ class TraceEntry:
     failure: ExportFailure | None = None
     strict: bool = False
     oblivious: bool = True
+    output_elements: str = ""
 
 
 @dataclass

@@ -267,7 +267,24 @@ def _holds_by(condition: sympy.Basic, asserts: Sequence[sympy.Basic], names: Map
 
 def conditions(found: Sequence[Refinement]) -> list[sympy.Basic]:
     """The conditions of the ``assert`` refinements among ``found``."""
-    return [_condition(str(r.value)) for r in found if r.kind == RefinementKind.ASSERT]
+    return [expression(str(r.value)) for r in found if r.kind == RefinementKind.ASSERT]
+
+
+def output_elements(program: torch.export.ExportedProgram, names: Mapping[str, str]) -> str:
+    """How many elements the program's tensor outputs hold together, as a function of the
+    variables (``names``: the variable of each symbol), the JSON text :func:`expression` reads;
+    ``""`` when a size is of a symbol no variable names (data-dependent) or of a function
+    :func:`_tree` does not know."""
+    nodes = {n.name: n for n in program.graph.nodes}
+    total = sympy.Integer(0)
+    for name in program.graph_signature.user_outputs:
+        value = nodes[name].meta.get("val") if isinstance(name, str) and name in nodes else None
+        if isinstance(value, torch.Tensor):
+            total += sympy.Mul(*(d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d) for d in value.shape))
+    if not {str(s) for s in total.free_symbols} <= names.keys():
+        return ""
+    tree = _tree(total.xreplace({s: sympy.Symbol(names[str(s)], integer=True) for s in total.free_symbols}))
+    return "" if tree is None else json.dumps(tree)
 
 
 def satisfied(conditions: Sequence[sympy.Basic], sizes: Mapping[str, int]) -> bool:
@@ -277,7 +294,7 @@ def satisfied(conditions: Sequence[sympy.Basic], sizes: Mapping[str, int]) -> bo
 
 def _tree(expr: sympy.Basic) -> Any:
     """``expr`` as nested JSON lists (``["Equality", ["Mul", ...], 16]``, a variable ``["Symbol",
-    name]``); ``None`` when it holds a function :func:`_condition` does not know."""
+    name]``); ``None`` when it holds a function :func:`expression` does not know."""
     if isinstance(expr, sympy.Symbol):
         return ["Symbol", expr.name]
     if isinstance(expr, sympy.Integer):
@@ -289,8 +306,8 @@ def _tree(expr: sympy.Basic) -> Any:
     return None if any(arg is None for arg in args) else [function.__name__, *args]
 
 
-def _condition(text: str) -> sympy.Basic:
-    """The condition a :func:`_tree` JSON text spells."""
+def expression(text: str) -> sympy.Basic:
+    """The condition or size a :func:`_tree` JSON text spells."""
 
     def build(node: Any) -> Any:
         if isinstance(node, int):

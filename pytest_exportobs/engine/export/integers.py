@@ -1,6 +1,7 @@
 """A condition on sizes (a runtime assert's, read back as sympy) decided at given sizes: on
 Python integers where every function of it is exact on them, else by sympy's own evaluation
-(about 50 times slower: a check decides thousands, a vision model's windows many more)."""
+(about 50 times slower: a check decides thousands, a vision model's windows many more); a size
+(how many elements the outputs hold) computed at given sizes."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ def holds(condition: sympy.Basic, sizes: Mapping[str, int]) -> bool:
         return bool(condition.xreplace({s: sympy.Integer(sizes[str(s)]) for s in condition.free_symbols}))
     except (TypeError, ZeroDivisionError):
         return True
+
+
+def integer_value(size: sympy.Basic, sizes: Mapping[str, int]) -> int | None:
+    """``size`` computed on the integer ``sizes`` of its symbols; ``None`` where it has no exact
+    integer value (a symbol ``sizes`` lacks, a function not exact on integers, a division by 0)."""
+    try:
+        return int(_integer_value(size, sizes))
+    except (_NotExact, ZeroDivisionError):
+        return None
 
 
 class _NotExact(Exception):

@@ -45,6 +45,7 @@ class ExportOutcome(ExportFiles):
     dims: dict[str, dict[str, str]] = field(default_factory=dict)
     refinements: list[Refinement] = field(default_factory=list)  # what the export established
     outputs: list[str] = field(default_factory=list)  # names of the graph's outputs
+    output_elements: str = ""  # how many elements the outputs hold, by the variables (domain.output_elements)
     trace_key: str = ""  # the export cache's key of the trace ("" without a cache)
     capture: Capture | None = None  # how torch.export captured the program (None: not traced here)
     pinned: str = ""  # the variable torch pinned to a constant, when that failed the export

@@ -43,6 +43,7 @@ from .domain import (
     deferred_asserts,
     made_static,
     onnx_shapes,
+    output_elements,
     program_shapes,
     read_dims,
     refinements,
@@ -141,6 +142,7 @@ def _traced(
     outcome.program = program
     outcome.outputs = [path or "output" for path in spec_paths(program.call_spec.out_spec)]
     final, names = _refine(traced.shapes, program_shapes(program), refined, outcome)
+    outcome.output_elements = output_elements(program, names)
     if traces is not None and outcome.trace_key:
         traces[outcome.trace_key] = Traced(program, names, trace_entry(outcome))
     return program, final, names

@@ -41,9 +41,10 @@ def failed_as_before(entry: TraceEntry, failure: ExportFailure, shapes: ShapeMod
 
 def restore(entry: TraceEntry, shapes: ShapeModel, outcome: ExportOutcome) -> None:
     """What the trace of ``entry`` established, into ``outcome``: the refinements of ``shapes``,
-    the outputs' names and how torch was given the dims (a cache hit)."""
+    the outputs' names and sizes and how torch was given the dims (a cache hit)."""
     outcome.cache_hit = True
     outcome.refinements, outcome.outputs, outcome.dims_form = entry.refinements, entry.outputs, entry.dims_form
+    outcome.output_elements = entry.output_elements
     outcome.capture = Capture(strict=entry.strict, oblivious=entry.oblivious)
     outcome.shapes, _ = apply_refinements(shapes, entry.refinements)
 
@@ -52,4 +53,4 @@ def trace_entry(outcome: ExportOutcome, graph: str = "", failure: ExportFailure 
     """What the trace of ``outcome`` established, as a trace entry keeps it."""
     capture = outcome.capture or Capture()
     return TraceEntry(graph, list(outcome.notes), outcome.refinements, outcome.outputs, outcome.dims_form, failure,
-                      capture.strict, capture.oblivious)
+                      capture.strict, capture.oblivious, outcome.output_elements)
