@@ -1,7 +1,7 @@
 """Explore input shapes the test suite never used, with hypothesis, and shrink a failure.
 
 Each free dimension variable of the :class:`~..shapes.model.ShapeModel` gets a size drawn around its
-observed bounds (derived variables follow their relation, equal dimensions are one variable);
+observed bounds (:mod:`.ranges`; derived variables follow their relation, equal dimensions are one variable);
 :func:`~..shapes.synthesis.build_leaves` turns the sizes into valid inputs.  An example is *invalid* when
 the eager model itself raises on it, *failed* when the exported model raises or disagrees with
 eager beyond the verify stage's tolerances.  Labels lined up with a padding mask ignore its padded
