@@ -245,9 +245,8 @@ def asserted_conditions(
     samples = [complete_sizes(shapes, {name: draws.randint(2, 64) for name in free}) for _ in range(SAMPLES)]
     found = []
     for condition in asserts:
-        if not condition.free_symbols or not {str(symbol) for symbol in condition.free_symbols} <= names.keys():
+        if not condition.free_symbols or (condition := _named(condition, names)) is None:
             continue
-        condition = condition.xreplace({s: sympy.Symbol(names[str(s)], integer=True) for s in condition.free_symbols})
         if all(satisfied([condition], sizes) for sizes in samples) or _holds_by(condition, asserts, names):
             continue
         if (tree := _tree(condition)) is not None:
@@ -281,10 +280,16 @@ def output_elements(program: torch.export.ExportedProgram, names: Mapping[str, s
         value = nodes[name].meta.get("val") if isinstance(name, str) and name in nodes else None
         if isinstance(value, torch.Tensor):
             total += sympy.Mul(*(d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d) for d in value.shape))
-    if not {str(s) for s in total.free_symbols} <= names.keys():
-        return ""
-    tree = _tree(total.xreplace({s: sympy.Symbol(names[str(s)], integer=True) for s in total.free_symbols}))
+    named = _named(total, names)
+    tree = None if named is None else _tree(named)
     return "" if tree is None else json.dumps(tree)
+
+
+def _named(expr: sympy.Basic, names: Mapping[str, str]) -> sympy.Basic | None:
+    """``expr`` with each symbol replaced by its variable (``names``); ``None`` when a symbol has none."""
+    if not {str(s) for s in expr.free_symbols} <= names.keys():
+        return None
+    return expr.xreplace({s: sympy.Symbol(names[str(s)], integer=True) for s in expr.free_symbols})
 
 
 def satisfied(conditions: Sequence[sympy.Basic], sizes: Mapping[str, int]) -> bool:
