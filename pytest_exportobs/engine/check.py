@@ -23,8 +23,7 @@ from ..core.capture import captured_output
 from ..core.configuration import declared_channels
 from ..core.paths import model_directory
 from ..core.text import error_line
-from ..core.trees import flattening_context, on_meta_device
-from ..core.versions import package_versions
+from ..core.trees import flattening_context
 from ..core.vocabulary import Kind, Stage, Target, Verdict
 from ..observe.binding import UnsupportedInput
 from ..observe.store import ModelGroup
@@ -41,6 +40,7 @@ from .export.pipeline import Traced
 from .export.tracing_patches import TracingPatches
 from .graph import GraphCheck
 from .planning import MAX_GRAPHS, GraphPlan, by_choice, can_serve, plan_graphs, split_off
+from .settled import is_settled, new_result
 from .verify.compare import Tolerance
 from .verify.references import ReferenceFailed, references
 from .verify.resized import sides
@@ -57,9 +57,9 @@ def check_model(
     raises.  The result is the first target's, the others' in its ``other_targets``.  A failure
     of a stage is the model's; an exception the engine did not expect is stage ``engine``, kind
     ``internal``: a bug of the plugin."""
-    results = [_new_result(group, target) for target in settings.targets]
+    results = [new_result(group, target) for target in settings.targets]
     first = results[0]
-    if _settled(group, first):
+    if is_settled(group, first):
         return first  # every target's, alike (see ModelResult.per_target)
     found, notes = sides(group)
     if not found:
@@ -141,51 +141,6 @@ class ModelProblem(Exception):
     def __init__(self, stage: Stage, kind: Kind, message: str):
         super().__init__(message)
         self.stage, self.kind = stage, kind
-
-
-def settled(group: ModelGroup) -> ModelResult | None:
-    """The result of a group with nothing to export (no call recorded; calls or weights on the
-    meta device), found without checking it; ``None`` for a group to check."""
-    result = _new_result(group)
-    return result if _settled(group, result) else None
-
-
-def _new_result(group: ModelGroup, target: Target = Target.ONNX) -> ModelResult:
-    recorder = group.recorder
-    return ModelResult(
-        name=group.name, target=target, verdict=Verdict.FAILED, stage=Stage.INFER, sources=list(group.sources),
-        model_class=group.model_class, n_observations=recorder.num_obs(),
-        expected_failure=_xfail_reason(group.options.xfail),
-        n_calls=sum(vars(recorder.counts).values()), env=dict(package_versions()),
-    )
-
-
-def _settled(group: ModelGroup, result: ModelResult) -> bool:
-    """Whether ``result`` is settled before any check: its verdict set when there is nothing
-    to export."""
-    recorder = group.recorder
-    if not recorder.num_obs():
-        _unobserved(result, recorder)
-        return True
-    on_meta = [on_meta_device(o) for o in recorder.observations]
-    if group.kept.on_meta or all(on_meta):
-        result.verdict, result.stage = Verdict.SKIPPED, Stage.OBSERVE
-        result.reason = ("its calls ran on the meta device (shapes, no values): nothing to run eagerly, export or "
-                         "compare" if all(on_meta) else "its weights are on the meta device (shapes, no values), moved "
-                         "there after its calls: nothing to export or compare")
-        return True
-    return False
-
-
-def _unobserved(result: ModelResult, recorder: Any) -> None:
-    """No call was recorded: skipped when the model was never called, failed when its calls
-    could not be recorded (a cache class that cannot be flattened is no reason to skip)."""
-    result.stage = Stage.OBSERVE
-    if not recorder.counts.failed:
-        result.verdict, result.reason = Verdict.SKIPPED, "no call of the model was observed"
-        return
-    result.verdict, result.kind = Verdict.FAILED, Kind.UNSUPPORTED_INPUT
-    result.reason = f"none of its {recorder.counts.failed} calls could be recorded: {recorder.errors[0]}"
 
 
 class _ModelCheck:
@@ -377,12 +332,6 @@ def _name_structure(checks: list[GraphCheck], difference: str) -> None:
 
 def _spans(indices: list[int]) -> str:
     return ", ".join(map(str, indices)) if len(indices) < 6 else f"{len(indices)} calls from {indices[0]}"
-
-
-def _xfail_reason(xfail: bool | str | None) -> str:
-    if not xfail:
-        return ""
-    return xfail if isinstance(xfail, str) else "marked xfail"
 
 
 def _first(*values: Any) -> Any:

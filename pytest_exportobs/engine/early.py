@@ -13,6 +13,9 @@ out, where checking it would only read the cache back while the tests run.  A ch
 such groups ends the session's early checks: a rerun, whose other groups are most likely recorded
 too, and whose tests each fork would slow (the child takes a share of the core one of their
 threads runs on; timm's rerun: 3.6 s of its 20 s of tests, a child forked after nearly every test).
+The test process imports none of the exporter's modules for them (the child does, in 0.3 s): their
+objects would add to every full collection the tests run (diffusers' model tests call
+``gc.collect()`` twice a test, 70 % of their time without the plugin).
 """
 
 from __future__ import annotations
@@ -33,8 +36,7 @@ import torch
 
 from ..observe.store import ModelGroup
 from .base.settings import CheckSettings
-from .check import settled
-from .runner import check_all
+from .settled import settled
 
 LOWEST_PRIORITY = 19  # the child's niceness: the tests' threads always come first
 ALL_RECORDED = 3  # a child's exit status: the export cache recorded the check of every group it was handed
@@ -115,6 +117,8 @@ def _child(groups: list[ModelGroup], settings: CheckSettings) -> None:
         # one thread: GNU OpenMP (torch's) is not fork-safe (see runner._child)
         torch.set_num_threads(1)
         with contextlib.suppress(Exception):
+            from .runner import check_all  # the exporter's modules, imported here only (see the module's docstring)
+
             checked = sum(1 for _ in check_all(groups, settings, isolate=False, jobs=1, threads=1,
                                                unrecorded_only=True))
             status = 0 if checked else ALL_RECORDED

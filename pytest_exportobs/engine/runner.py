@@ -26,13 +26,14 @@ from ..core.vocabulary import Kind, Stage, Target, Verdict
 from ..observe.store import ModelGroup
 from .base.result import ModelResult
 from .base.settings import CheckSettings
-from .check import check_model, settled
+from .check import check_model
 from .children import Child, Progress, SharedQueue, ended, family, interrupted, timed_out, unfinished
 from .explore.variations import prepare_variations
 from .export.pipeline import prepare
 from .export.warmup import warm_up
 from .limits import ModelTimeout, time_limit
 from .placement import CheckCosts, place
+from .settled import settled
 from .spilled import SpilledWeights, return_free_memory
 
 

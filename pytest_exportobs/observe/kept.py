@@ -93,17 +93,28 @@ class KeptModule:
 
 
 class _StoragesAside(pickle.Pickler):
-    """Pickles the tensors' storages by reference: each is appended to ``storages`` as it is."""
+    """Pickles the tensors' storages by reference: each untyped storage is appended to
+    ``storages`` once, as it is (a typed one is pickled as its untyped storage and dtype): every
+    object kept aside is one more the garbage collector walks (a tiny UNet's: 800 typed wrappers
+    of 300 storages)."""
 
     def __init__(self, file: io.BytesIO, storages: list[Any]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.storages = storages
+        self._indices: dict[int, int] = {}  # id of an untyped storage -> its index in storages
 
-    def persistent_id(self, obj: Any) -> int | None:
-        if isinstance(obj, (torch.storage.TypedStorage, torch.UntypedStorage)):
-            self.storages.append(obj)
-            return len(self.storages) - 1
+    def persistent_id(self, obj: Any) -> tuple[int, torch.dtype | None] | None:
+        if isinstance(obj, torch.storage.TypedStorage):
+            return self._index(obj._untyped_storage), obj.dtype
+        if isinstance(obj, torch.UntypedStorage):
+            return self._index(obj), None
         return None
+
+    def _index(self, storage: torch.UntypedStorage) -> int:
+        if id(storage) not in self._indices:
+            self._indices[id(storage)] = len(self.storages)
+            self.storages.append(storage)
+        return self._indices[id(storage)]
 
 
 class _StoragesBack(pickle.Unpickler):
@@ -113,5 +124,8 @@ class _StoragesBack(pickle.Unpickler):
         super().__init__(file)
         self.storages = storages
 
-    def persistent_load(self, pid: Any) -> Any:
-        return self.storages[pid]
+    def persistent_load(self, pid: tuple[int, torch.dtype | None]) -> Any:
+        index, dtype = pid
+        if dtype is None:
+            return self.storages[index]
+        return torch.storage.TypedStorage(wrap_storage=self.storages[index], dtype=dtype, _internal=True)

@@ -15,9 +15,10 @@ from models import SOURCE as MODELS
 pytestmark = pytest.mark.slow  # pytest sessions in subprocesses
 
 # the model's calls settle in the first test; the last test runs until a check of it has ended
-# (its record in the export cache), as a suite's remaining tests would, at most WAIT seconds
+# (its record in the export cache), as a suite's remaining tests would, at most WAIT seconds, and
+# finds the exporter's modules imported in the check's process only
 SETTLED = '''
-import glob, os, time
+import glob, os, sys, time
 import pytest, torch
 
 @pytest.mark.observe_export("mlp")
@@ -32,6 +33,7 @@ def test_slow_but_unrelated():
     deadline = time.monotonic() + float(os.environ["WAIT"])
     while not glob.glob(".exportobs/cache/check-*.json") and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert not {"pytest_exportobs.engine.check", "onnx", "onnxruntime"} & sys.modules.keys()
 '''
 
 # the same, and a later test records a call at a new batch size: the group has changed since its

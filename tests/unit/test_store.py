@@ -201,6 +201,8 @@ def test_a_packed_model_leaves_memory_and_comes_back_as_observed() -> None:
     store.put_away()
     assert group.kept.packed and gone() is None
     assert len(gc.get_objects()) < tracked - 20  # the module, its submodules, their dicts and parameters
+    aside = group.kept._storages  # what the collector still walks: one untyped storage per memory block
+    assert len(aside) == 2 and all(type(s) is torch.UntypedStorage for s in aside)  # the tied weight, the buffer
     assert group.model_class == "models.TiedHead" and not group.kept.on_meta and group.kept.packed
     first, second = group.recorder.observations
     assert group.is_reference_valid(first.instance, first.weights_digest)
