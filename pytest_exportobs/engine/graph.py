@@ -180,8 +180,7 @@ class GraphCheck:
         served = [i for i in range(len(self.plan.calls)) if i not in outside]
         leaves = [self.shapes.call_leaves(i) for i in served]
         references = [context.references[self.plan.calls[i]] for i in served]
-        float64 = context.float64(self.shapes) if arbitrated else None
-        found = self._compared(runner, leaves, references, float64)
+        found = self._compared(runner, leaves, references, arbitrated)
         for d in found:  # numbered as the plan's calls
             d.index = served[d.index]
         result.timings[stage] = result.timings.get(stage, 0.0) + time.perf_counter() - begin
@@ -223,21 +222,27 @@ class GraphCheck:
         raise GraphEnded
 
     def _compared(self, runner: GraphRunner, leaves: list[list[Any]], references: list[list[Any]],
-                  float64: Any = None) -> list[Discrepancy]:
-        """The graph run on each call's ``leaves`` and compared with its reference; kept in the export
-        cache when all pass, and taken from it for the same ONNX file, runtime, leaves and references."""
+                  arbitrated: bool = False) -> list[Discrepancy]:
+        """The graph run on each call's ``leaves`` and compared with its reference (``arbitrated``:
+        the model in float64 judging a mismatch); kept in the export cache unless a run raised
+        (what a runtime raises may be the machine's: memory), and taken from it for the same ONNX
+        file, runtime, leaves and references (what the model gives in float64 with them too): a
+        graph that does not serve another plan's calls, or that eager's rounding failed, is not
+        run again on a rerun."""
         context, cache = self.context, self._cache()
         key = ""
-        if cache is not None and self.graph_file is not None and float64 is None and leaves:
+        if cache is not None and self.graph_file is not None and leaves:
             self._graph_digest = self._graph_digest or file_digest(self.graph_file)
-            settings = {"tolerance": asdict(context.tolerance), "layout": repr(self.layout)}
+            settings = {"tolerance": asdict(context.tolerance), "layout": repr(self.layout), "arbitrated": arbitrated}
             key = cache.verified_key(self._graph_digest, str(self.result.runtime), leaves, references, settings)
             if (stored := cache.load_verified(key)) is not None:
-                if VERIFIED_NOTE not in self.result.notes:
+                found = [Discrepancy.from_json(d) for d in stored]
+                if all(d.ok for d in found) and VERIFIED_NOTE not in self.result.notes:
                     self.result.notes.append(VERIFIED_NOTE)
-                return [Discrepancy.from_json(d) for d in stored]
+                return found
+        float64 = context.float64(self.shapes) if arbitrated else None
         found = context.quiet(lambda: verify_calls(runner, leaves, references, context.tolerance, self.layout, float64))
-        if cache is not None and key and all(d.ok for d in found):
+        if cache is not None and key and all(d.kind != Kind.ERROR for d in found):
             with contextlib.suppress(OSError):  # a cache that cannot be written keeps nothing
                 cache.store_verified(key, [d.to_json() for d in found])
         return found

@@ -2048,6 +2048,33 @@ def test_a_rerun_takes_the_comparisons_of_the_same_file_inputs_and_references_fr
     assert len(list((tmp_path / "cache").glob("verified-*.json"))) == 2
 
 
+def test_a_rerun_does_not_run_a_graph_again_on_the_calls_it_did_not_serve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whether a graph serves another plan's calls is a comparison too: kept with the export cache
+    when it fails as when it passes, a rerun runs no graph, and finds the same graphs."""
+    from pytest_exportobs.engine.verify import runtimes
+
+    runs: list[int] = []
+    original = runtimes.OnnxRunner.__call__
+    monkeypatch.setattr(runtimes.OnnxRunner, "__call__", lambda self, *a: runs.append(1) or original(self, *a))
+    calls = [((torch.randn(2, 4),), {"return_dict": True}), ((torch.randn(3, 4),), {"return_dict": True}),
+             ((torch.randn(5, 4),), {})]  # 2 * y, then y: the first graph does not serve the last call
+    graphs, counted = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        module, store = KeywordConstants(), SessionStore()
+        with store.observe(module, "constants", ObserveOptions(), "t") as group:
+            for args, kwargs in calls:
+                module(*args, **kwargs)
+        runs.clear()
+        result = check_model(group, settings(tmp_path, use_cache=True))
+        graphs.append([(g.name, g.calls, g.verdict) for g in result.graphs])
+        counted.append(len(runs))
+    assert graphs == [[("return_dict=True", [0, 1], "passed"), ("return_dict default", [2], "passed")]] * 2
+    assert counted == [4, 0]  # the first run: two calls, one refused, then the last call on its own graph
+
+
 class _Exiting(torch.nn.Module):
     """A model whose export ends its process, as a native crash would (eager runs); with modules
     enough to be expected the most expensive check."""

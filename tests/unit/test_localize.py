@@ -189,6 +189,33 @@ def test_float16_eager_drifting_from_float64_where_onnxruntime_does_not_passes(t
     assert eager > 0.01 and graph < 1e-3, note
 
 
+@pytest.mark.slow
+def test_a_rerun_takes_the_comparison_the_float64_model_judged_from_the_export_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A comparison the model in float64 judged is kept with the export cache as any other: a
+    rerun runs neither the graph nor the model in float64, and passes with the same note."""
+    from pytest_exportobs.engine import context
+    from pytest_exportobs.engine.verify import runtimes
+
+    ran: list[str] = []
+    run, copy = runtimes.OnnxRunner.__call__, context.Float64Copy
+    monkeypatch.setattr(runtimes.OnnxRunner, "__call__", lambda self, *a: ran.append("onnx") or run(self, *a))
+    monkeypatch.setattr(context, "Float64Copy", lambda module: ran.append("float64") or copy(module))
+    torch.manual_seed(0)
+    model = Residual().to(torch.float16).eval()
+    group = observed(model, torch.randn(4, 64, dtype=torch.float16), torch.randn(3, 64, dtype=torch.float16),
+                     atol=1e-3, rtol=1e-3)
+    results, counted = [], []
+    for _ in range(2):
+        ran.clear()
+        results.append(check_model(group, settings(tmp_path)))
+        counted.append((ran.count("onnx"), ran.count("float64")))
+    notes = [[n for n in r.notes if "where eager rounds as much" in n] for r in results]
+    assert [r.verdict for r in results] == ["passed", "passed"] and notes[0] == notes[1] and len(notes[0]) == 1
+    assert counted == [(4, 1), (0, 0)]  # first: compared, then judged by the float64 model; rerun: neither
+
+
 @pytest.mark.usefixtures("wrongly_translated_gelu")
 def test_a_graph_from_the_export_cache_is_traced_again_and_localized_alike(tmp_path: Path) -> None:
     torch.manual_seed(0)
