@@ -2075,6 +2075,34 @@ def test_a_rerun_does_not_run_a_graph_again_on_the_calls_it_did_not_serve(
     assert counted == [4, 0]  # the first run: two calls, one refused, then the last call on its own graph
 
 
+class OptionalHidden(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, with_hidden: bool = False) -> Any:
+        y = self.proj(x)
+        return (y, torch.tanh(y)) if with_hidden else y
+
+
+def test_a_graph_is_not_run_on_calls_whose_outputs_it_cannot_give(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A graph giving two outputs cannot serve calls returning one: they get a graph of their own
+    without a run of the first on them."""
+    from pytest_exportobs.engine.verify import runtimes
+
+    runs: list[int] = []
+    original = runtimes.OnnxRunner.__call__
+    monkeypatch.setattr(runtimes.OnnxRunner, "__call__", lambda self, *a: runs.append(1) or original(self, *a))
+    module = OptionalHidden()
+    group = observed(module, (torch.randn(2, 4), True), (torch.randn(3, 4), True), (torch.randn(5, 4),))
+    result = check_model(group, settings(tmp_path))
+    assert [(g.name, g.calls, g.verdict) for g in result.graphs] == [
+        ("with_hidden=True", [0, 1], "passed"), ("with_hidden default", [2], "passed")]
+    assert len(runs) == 3  # each call on its own graph, none on the other
+
+
 class _Exiting(torch.nn.Module):
     """A model whose export ends its process, as a native crash would (eager runs); with modules
     enough to be expected the most expensive check."""
