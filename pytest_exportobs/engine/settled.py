@@ -64,7 +64,6 @@ def _unobserved(result: ModelResult, recorder: Any) -> None:
     result.reason = f"none of its {recorder.counts.failed} calls could be recorded: {recorder.errors[0]}"
 
 
-
 def _xfail_reason(xfail: bool | str | None) -> str:
     if not xfail:
         return ""
