@@ -37,6 +37,7 @@ class KeptModule:
         self._packed: bytes | None = None
         self._storages: list[Any] = []  # of the packed tensors, by reference
         self._digest: int | None = None  # of the weights when packed
+        self._meta_when_packed = False  # whether the packed module held a tensor on the meta device
         self.cls: type[torch.nn.Module] = type(module)
         self.instance = id(module)  # what Observation.instance holds for calls made on this module
         self.packable = True  # False once pickling failed: the module stays as is
@@ -59,8 +60,8 @@ class KeptModule:
 
     @property
     def on_meta(self) -> bool:
-        """Whether the module holds a tensor on the meta device (a packed one never does)."""
-        return self._packed is None and on_meta_device(self.module)
+        """Whether the module holds a tensor on the meta device (a packed one: as packed)."""
+        return self._meta_when_packed if self._packed is not None else on_meta_device(self.module)
 
     def digest(self) -> int:
         """The digest of the module's weights (see :func:`.weights.weights_digest`): as packed,
@@ -70,9 +71,11 @@ class KeptModule:
     def pack(self) -> bool:
         """Pickle the module and its first weights together, their storages by reference (no
         copy: shared storages stay shared), and let them go; only call when nothing but the group
-        reaches the module.  ``False`` when the module is on the meta device, was packed before,
-        or cannot be pickled (it stays as is)."""
-        if self._module is None or self._digest is not None or not self.packable or on_meta_device(self._module):
+        reaches the module.  A module on the meta device (timm's tests build a model there for
+        its configuration alone) is packed too: nothing to set aside, all of its objects out of
+        the collector's walk.  ``False`` when the module was packed before or cannot be pickled
+        (it stays as is)."""
+        if self._module is None or self._digest is not None or not self.packable:
             return False
         buffer, storages = io.BytesIO(), list[Any]()
         try:
@@ -81,7 +84,7 @@ class KeptModule:
         except Exception:  # a local class, a closure in a hook, a lock...: pickle's errors vary
             self.packable = False
             return False
-        self._digest = weights_digest(self._module)
+        self._digest, self._meta_when_packed = weights_digest(self._module), on_meta_device(self._module)
         self._packed, self._storages, self._module, self._weights = buffer.getvalue(), storages, None, {}
         self.instance = PACKED_INSTANCE
         return True

@@ -219,6 +219,29 @@ def test_a_packed_model_leaves_memory_and_comes_back_as_observed() -> None:
     assert group.is_reference_valid(first.instance, first.weights_digest)  # the digest as packed
 
 
+def test_a_model_on_the_meta_device_is_packed_and_skipped_without_being_unpacked() -> None:
+    """A model built on the meta device for its configuration alone (timm's default-config
+    tests) leaves the collector's walk too: packed with no storage aside, it still says it is on
+    the meta device, which settles its group without unpacking it."""
+    import weakref
+
+    from pytest_exportobs.engine.settled import settled
+
+    store = SessionStore()
+    with torch.device("meta"):
+        module = TiedHead()
+    with store.observe(module, "meta", ObserveOptions(), "test") as group:
+        module(torch.tensor([[1, 2, 3]], device="meta"))
+    gone = weakref.ref(module)
+    del module
+    store.put_away()
+    assert group.kept.packed and gone() is None and group.kept._storages == []
+    result = settled(group)
+    assert result is not None and (result.verdict, result.stage) == ("skipped", "observe")
+    assert group.kept.packed and group.kept.on_meta  # read as packed
+    assert group.module.embed.weight.is_meta and not group.kept.packed and group.kept.on_meta
+
+
 def test_a_model_pickle_cannot_take_stays_as_it_is() -> None:
     """A module holding a lambda cannot be pickled: it stays in memory, unpacked, its calls the
     reference as before."""
