@@ -113,12 +113,15 @@ class GraphCheck:
     def serves(self, shapes: ShapeModel, calls: list[int]) -> bool:
         """Whether this graph reproduces the given calls of another plan (``shapes``: this
         graph's calls then those, projected on its arguments); if so they join its calls."""
-        runner = self.runner
-        if runner is None or not self.result.passed:
+        runner, references, tensors = self.runner, self.context.references, self.layout.in_graph_order
+        if runner is None or not self.result.passed or not self.result.calls:
             return False
+        given = len(tensors(references[self.result.calls[0]]))  # what the graph gives: it passed its calls
+        if any(len(tensors(references[c])) != given for c in calls):
+            return False  # another number of outputs (attention maps asked for, or not): no run says more
         first = shapes.aligned.n_calls - len(calls)
         leaves = [shapes.call_leaves(first + i) for i in range(len(calls))]
-        found = self._compared(runner, leaves, [self.context.references[c] for c in calls])
+        found = self._compared(runner, leaves, [references[c] for c in calls])
         if not all(d.ok for d in found):
             return False
         self.result.calls.extend(calls)
