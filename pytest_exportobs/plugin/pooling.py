@@ -179,8 +179,11 @@ class Pool:
         """Name the groups as the pool names them, then yield those this worker claims, each with
         the other workers' calls absorbed in the tests' collection order (``position`` of a
         node id): its own groups, then those no live worker that checks holds (those crashed
-        or remote workers held)."""
-        from ..observe.transfer import absorb, load_calls, rebuilt
+        or remote workers held).  Each is checked on the instance one process would have kept,
+        the one the earliest test observed: this worker's, or the module the worker that ran
+        that test saved (whichever worker claims it, the same ONNX for the same suite: a model
+        whose configuration's output flags another test changed gives other outputs)."""
+        from ..observe.transfer import absorb, load_calls, rebuilt, set_aside
 
         held, names = self._held, self._names
         local = {} if store is None else store.keys()
@@ -194,14 +197,15 @@ class Pool:
                 continue
             saved = {w: load_calls(sorted(self._folder(w, key).glob("calls-*.pt")), self._tally(w, key))
                      for w in sorted(held) if key in held[w] and w != self.worker}
-            if key in local.values():
-                group = store.groups[names[key]]
-            else:
-                # the instance one process would have kept: the one the earliest test observed
-                records = sorted((min(map(position, calls.sources), default=0), path) for w, calls in saved.items()
-                                 if (path := self._folder(w, key) / "group.pt").exists())
+            # the instance one process would have kept: the one the earliest test observed
+            records = sorted((min(map(position, calls.sources), default=0), path) for w, calls in saved.items()
+                             if (path := self._folder(w, key) / "group.pt").exists())
+            group = store.groups[names[key]] if key in local.values() else None
+            if group is None or (records and records[0][0] < min(map(position, group.sources), default=0)):
                 if not records:
                     continue  # the module could not be saved: the controller reports the model lost
+                if group is not None:  # this worker's instance came later: its calls are another's
+                    saved[self.worker] = set_aside(group)
                 group = rebuilt(records[0][1])
                 group.name = names[key]
             absorb(group, saved.values(), position)

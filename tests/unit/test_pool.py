@@ -92,10 +92,12 @@ def test_absorbed_calls_keep_the_session_bound_and_caches_round_trip(tmp_path: P
     # gw1's first 24 tests fill the ordinary room, its new structure adds information, and of gw0's
     # only the batch equal to the features (a new pattern of equal sizes)
     assert shapes == [(b, 4) for b in range(100, 100 + MAX_ORDINARY)] + [(2, 7, 4), (4, 4)]
-    assert [o.instance == FOREIGN_INSTANCE for o in group.recorder.observations] == [True] * 25 + [False]
+    # checked on gw1's instance, as one process would (the earliest test observed it): every call another's
+    assert [o.instance == FOREIGN_INSTANCE for o in group.recorder.observations] == [True] * 26
     every_call = 2 * MAX_OBSERVATIONS + 1  # those each worker's bound kept and those it stored nothing for
     assert (group.recorder.counts.stored, group.recorder.counts.dropped) == (26, every_call - 26)
-    assert group.module is model0 and group.sources[0] == "test_early[100]" and group.sources[-1] == "test_late[33]"
+    assert group.module is not model0 and torch.equal(group.module.weight, model1.weight)
+    assert group.sources[0] == "test_early[100]" and group.sources[-1] == "test_late[33]"
 
 
 class Opaque:
@@ -342,6 +344,30 @@ def test_a_model_no_checking_worker_holds_is_rebuilt_from_the_instance_the_earli
     (group,) = pooling.Pool(tmp_path, "controller").claims(None, collection_order("test_early[2]", "test_late[3]"))
     torch.testing.assert_close(group.module.weight, early.weight)
     assert group.sources == ["test_early[2]", "test_late[3]"]
+
+
+def test_a_worker_holding_a_later_instance_checks_the_one_the_earliest_test_observed(tmp_path: Path) -> None:
+    """Whichever worker claims a model, it is checked on the instance one process would have kept:
+    gw0 claims first but ran the later test, so gw1's instance is rebuilt and gw0's calls join as
+    another process's (no outputs, no reference)."""
+    torch.manual_seed(0)
+    gw0, gw1 = worker(tmp_path, "gw0"), worker(tmp_path, "gw1")
+    store0, store1 = SessionStore(), SessionStore()
+    late, early = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)  # one identity, other weights
+    observe(store0, late, 3, test="test_late")
+    observe(store1, early, 2, test="test_early")
+    gw0.offer(store0)
+    gw1.offer(store1)
+    assert gw0.wait() == gw1.wait() == []
+    order = collection_order("test_early[2]", "test_late[3]")
+    (group,) = gw0.claims(store0, order)
+    assert list(gw1.claims(store1, order)) == []
+    assert group.module is not late and group.module is not early
+    torch.testing.assert_close(group.module.weight, early.weight)
+    calls = [(tuple(o.args[0].shape), o.instance, o.outputs is None) for o in group.recorder.observations]
+    assert calls == [((2, 4), FOREIGN_INSTANCE, True), ((3, 4), FOREIGN_INSTANCE, True)]
+    assert group.sources == ["test_early[2]", "test_late[3]"]
+    assert len(store0.groups["Linear"].recorder.observations[0].outputs) == 1  # the worker's own store untouched
 
 
 def test_a_rebuilt_group_keeps_the_shapes_and_weights_first_observed(tmp_path: Path) -> None:
