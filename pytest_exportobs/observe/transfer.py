@@ -95,14 +95,6 @@ def tally(recorder: CallRecorder) -> dict[str, Any]:
             "dropped": recorder.counts.dropped, "failed": recorder.counts.failed, "errors": recorder.errors}
 
 
-def set_aside(group: ModelGroup) -> SavedCalls:
-    """The calls ``group`` recorded, as another process's (its module is not the one checked):
-    without their outputs, with its counts of calls not stored or not recorded."""
-    recorder = group.recorder
-    return SavedCalls([replace(observation, outputs=None) for observation in recorder.observations],
-                      list(group.sources), recorder.counts.dropped, recorder.counts.failed, list(recorder.errors))
-
-
 def load_calls(paths: Iterable[Path], tallied: dict[str, Any] | None = None) -> SavedCalls:
     """The calls saved in ``paths``, in order (their inputs hold cache objects: a full unpickling),
     brought up to date by the process's :func:`tally` when it wrote one (a crashed process did

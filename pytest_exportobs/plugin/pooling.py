@@ -183,7 +183,10 @@ class Pool:
         the one the earliest test observed: this worker's, or the module the worker that ran
         that test saved (whichever worker claims it, the same ONNX for the same suite: a model
         whose configuration's output flags another test changed gives other outputs)."""
-        from ..observe.transfer import absorb, load_calls, rebuilt, set_aside
+        from ..observe.transfer import absorb, rebuilt
+
+        def first_test(sources: Iterable[str]) -> int:
+            return min(map(position, sources), default=0)
 
         held, names = self._held, self._names
         local = {} if store is None else store.keys()
@@ -195,17 +198,16 @@ class Pool:
         for key in own + orphans:
             if not self._claim(key, names[key]):
                 continue
-            saved = {w: load_calls(sorted(self._folder(w, key).glob("calls-*.pt")), self._tally(w, key))
-                     for w in sorted(held) if key in held[w] and w != self.worker}
+            saved = {w: self._saved_calls(w, key) for w in sorted(held) if key in held[w] and w != self.worker}
             # the instance one process would have kept: the one the earliest test observed
-            records = sorted((min(map(position, calls.sources), default=0), path) for w, calls in saved.items()
+            records = sorted((first_test(calls.sources), path) for w, calls in saved.items()
                              if (path := self._folder(w, key) / "group.pt").exists())
             group = store.groups[names[key]] if key in local.values() else None
-            if group is None or (records and records[0][0] < min(map(position, group.sources), default=0)):
+            if group is None or (records and records[0][0] < first_test(group.sources)):
                 if not records:
                     continue  # the module could not be saved: the controller reports the model lost
-                if group is not None:  # this worker's instance came later: its calls are another's
-                    saved[self.worker] = set_aside(group)
+                if group is not None:  # this worker's instance came later: its calls are another's, as it saved them
+                    saved[self.worker] = self._saved_calls(self.worker, key)
                 group = rebuilt(records[0][1])
                 group.name = names[key]
             absorb(group, saved.values(), position)
@@ -261,6 +263,13 @@ class Pool:
     def _savers(self) -> list[str]:
         """The workers that saved models, in order of their names."""
         return sorted(path.name for path in self.directory.iterdir() if path.is_dir())
+
+    def _saved_calls(self, worker: str, key: Key) -> Any:
+        """The calls of a model ``worker`` saved (without their outputs), brought up to date by
+        its manifest (see :func:`~..observe.transfer.load_calls`)."""
+        from ..observe.transfer import load_calls
+
+        return load_calls(sorted(self._folder(worker, key).glob("calls-*.pt")), self._tally(worker, key))
 
     def _tally(self, worker: str, key: Key) -> dict[str, Any] | None:
         """The tally of a model in ``worker``'s manifest (``None``: it crashed before writing one)."""
