@@ -14,7 +14,9 @@ At the end of the session every worker's manifest (its models and their call cou
 directory, or the worker went down, which the controller marks.  Then each worker that sees the
 directory names the models as one process observing every call would, and claims models one by
 one, most observed first: those it holds an instance of, then those no such worker holds (a
-crashed or a remote worker's, rebuilt from the module it saved).  A claim is a file created
+crashed or a remote worker's, rebuilt from the module it saved), then those another worker holds
+and has not claimed yet, from the end of that worker's turn (rebuilt too): a worker whose tests
+observed less does not wait idle for one whose tests observed more.  A claim is a file created
 exclusively, so each model is checked once while the checks spread over the workers; the
 claiming worker absorbs what the others observed of the model before checking it.  What no
 worker claimed (every worker remote) the controller claims and checks itself.
@@ -179,10 +181,12 @@ class Pool:
         """Name the groups as the pool names them, then yield those this worker claims, each with
         the other workers' calls absorbed in the tests' collection order (``position`` of a
         node id): its own groups, then those no live worker that checks holds (those crashed
-        or remote workers held).  Each is checked on the instance one process would have kept,
-        the one the earliest test observed: this worker's, or the module the worker that ran
-        that test saved (whichever worker claims it, the same ONNX for the same suite: a model
-        whose configuration's output flags another test changed gives other outputs)."""
+        or remote workers held), then those the others hold and have not claimed yet, from the
+        end of their turn (one worker's tests may have observed far more than another's).
+        Each is checked on the instance one process would have kept, the one the earliest test
+        observed: this worker's, or the module the worker that ran that test saved (whichever
+        worker claims it, the same ONNX for the same suite: a model whose configuration's output
+        flags another test changed gives other outputs)."""
         from ..observe.transfer import absorb, rebuilt
 
         def first_test(sources: Iterable[str]) -> int:
@@ -193,15 +197,20 @@ class Pool:
         for name, key in local.items():
             store.rename(name, names[key])
         live = {key for worker in held if self._checks(worker) for key in held[worker]}
-        own = sorted(local.values(), key=lambda k: (-sum(keys.get(k, 0) for keys in held.values()), names[k]))
+        turn = {key: (-sum(keys.get(key, 0) for keys in held.values()), names[key]) for key in names}
+        own = sorted(local.values(), key=turn.__getitem__)
         orphans = sorted(set(names) - live, key=names.__getitem__)
-        for key in own + orphans:
+        # the other workers' models they have not claimed yet, from the end of their turn (they
+        # go on from its start): this worker has checked its own and would wait for theirs
+        others = sorted((k for k in live - set(local.values()) if self._records_of(k)), key=turn.__getitem__,
+                        reverse=True)
+        for key in own + orphans + others:
             if not self._claim(key, names[key]):
                 continue
             saved = {w: self._saved_calls(w, key) for w in sorted(held) if key in held[w] and w != self.worker}
             # the instance one process would have kept: the one the earliest test observed
-            records = sorted((first_test(calls.sources), path) for w, calls in saved.items()
-                             if (path := self._folder(w, key) / "group.pt").exists())
+            records = sorted((first_test(saved[w].sources), path) for w, path in self._records_of(key).items()
+                             if w in saved)
             group = store.groups[names[key]] if key in local.values() else None
             if group is None or (records and records[0][0] < first_test(group.sources)):
                 if not records:
@@ -263,6 +272,11 @@ class Pool:
     def _savers(self) -> list[str]:
         """The workers that saved models, in order of their names."""
         return sorted(path.name for path in self.directory.iterdir() if path.is_dir())
+
+    def _records_of(self, key: Key) -> dict[str, Path]:
+        """Per worker that saved the module of model ``key`` (not a class pickle cannot take), its file."""
+        paths = {w: self._folder(w, key) / "group.pt" for w in sorted(self._held) if key in self._held[w]}
+        return {w: path for w, path in paths.items() if path.exists()}
 
     def _saved_calls(self, worker: str, key: Key) -> Any:
         """The calls of a model ``worker`` saved (without their outputs), brought up to date by

@@ -55,8 +55,10 @@ def test_two_workers_pool_their_calls_and_each_model_is_checked_once(tmp_path: P
     gw1.offer(store1)
     assert gw0.wait() == gw1.wait() == []
     order = collection_order("test_a[2]", "test_a[3]", "test_b[3]", "test_b[5]", "test_c[4]")
-    first = list(gw0.claims(store0, order))
+    claims0 = gw0.claims(store0, order)
+    first = [next(claims0)]  # gw0 checks it before it asks for another
     second = list(gw1.claims(store1, order))
+    assert list(claims0) == []  # nothing left to take from gw1
 
     shared_name, wide_name = f"Linear[{identity(shared0)}]", f"Linear[{identity(wide)}]"
     assert [g.name for g in first] == [shared_name]  # claimed by the first to ask
@@ -368,6 +370,42 @@ def test_a_worker_holding_a_later_instance_checks_the_one_the_earliest_test_obse
     assert calls == [((2, 4), FOREIGN_INSTANCE, True), ((3, 4), FOREIGN_INSTANCE, True)]
     assert group.sources == ["test_early[2]", "test_late[3]"]
     assert len(store0.groups["Linear"].recorder.observations[0].outputs) == 1  # the worker's own store untouched
+
+
+def test_a_worker_done_with_its_own_models_takes_the_others_unclaimed_from_the_end_of_their_turn(
+    tmp_path: Path,
+) -> None:
+    """gw1's tests observed three models, gw0's one: once gw0 has checked its own, it takes gw1's
+    least observed, rebuilt from what gw1 saved (every call another process's), while gw1 goes
+    on from its most observed; each model is checked once."""
+    torch.manual_seed(0)
+    gw0, gw1 = worker(tmp_path, "gw0"), worker(tmp_path, "gw1")
+    store0, store1 = SessionStore(), SessionStore()
+    small = torch.nn.Linear(4, 2)
+    observe(store0, small, 2, test="test_small")
+    most, middle, least = torch.nn.Linear(5, 2), torch.nn.Linear(6, 2), torch.nn.Linear(7, 2)
+    observe(store1, most, 1, 2, 3, test="test_most")
+    observe(store1, middle, 1, 2, test="test_middle")
+    observe(store1, least, 4, test="test_least")
+    gw0.offer(store0)
+    gw1.offer(store1)
+    assert gw0.wait() == gw1.wait() == []
+    order = collection_order("test_small[2]", *(f"test_most[{b}]" for b in (1, 2, 3)), "test_middle[1]",
+                             "test_middle[2]", "test_least[4]")
+    claims0, claims1 = gw0.claims(store0, order), gw1.claims(store1, order)
+    name = {id(m): f"Linear[{identity(m)}]" for m in (small, most, middle, least)}
+    assert next(claims0).module is small  # its own first
+    assert next(claims1).name == name[id(most)]  # gw1 begins its turn
+    stolen = next(claims0)
+    assert stolen.name == name[id(least)] and stolen.module is not least
+    torch.testing.assert_close(stolen.module.weight, least.weight)
+    assert [(tuple(o.args[0].shape), o.instance, o.outputs is None) for o in stolen.recorder.observations] == [
+        ((4, 7), FOREIGN_INSTANCE, True)]
+    assert stolen.sources == ["test_least[4]"]
+    assert [g.name for g in claims1] == [name[id(middle)]]
+    assert list(claims0) == []
+    assert pooling.claimed(tmp_path) == {name[id(small)]: "gw0", name[id(most)]: "gw1", name[id(middle)]: "gw1",
+                                         name[id(least)]: "gw0"}
 
 
 def test_a_rebuilt_group_keeps_the_shapes_and_weights_first_observed(tmp_path: Path) -> None:
