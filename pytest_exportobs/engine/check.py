@@ -28,7 +28,7 @@ from ..core.vocabulary import Kind, Stage, Target, Verdict
 from ..observe.binding import UnsupportedInput
 from ..observe.store import ModelGroup
 from ..observe.structures import structure_difference
-from ..shapes.inference import DimPolicy
+from ..shapes.inference import DimPolicy, taken
 from ..shapes.model import ShapeModel
 from .base.environment import EnvironmentProblem
 from .base.result import GraphResult, ModelResult
@@ -203,16 +203,15 @@ class _ModelCheck:
         self.progress(Stage.INFER, "")
         begin = time.perf_counter()
         options = self.options
-        policy = DimPolicy(
-            roles=(options.dims or self.settings.dims) == "roles",
-            dynamic=frozenset(options.dynamic), static=frozenset(options.static),
-            channels=declared_channels(self.group.module),
-        )
         try:
-            joint = ShapeModel.from_aligned(
-                self.group.recorder.aligned(mixed_constants=True, calls=family), options.set_batch_dimension_for,
-                options.dim_names, policy,
+            aligned = self.group.recorder.aligned(mixed_constants=True, calls=family)
+            policy = DimPolicy(
+                roles=(options.dims or self.settings.dims) == "roles",
+                dynamic=frozenset(options.dynamic),
+                static=frozenset(options.static) | taken(aligned, self.settings.static),
+                channels=declared_channels(self.group.module),
             )
+            joint = ShapeModel.from_aligned(aligned, options.set_batch_dimension_for, options.dim_names, policy)
         except UnsupportedInput as e:
             raise ModelProblem(Stage.INFER, Kind.UNSUPPORTED_INPUT, str(e)) from e
         except (TypeError, ValueError) as e:  # calls that disagree, bad marker options

@@ -80,6 +80,9 @@ SETTINGS = (
     Setting("export_rtol", "relative tolerance for every model (default: per dtype)", where="ini"),
     Setting("export_dims", "roles (default): batch, sequence, cache and encoder lengths are dynamic even when "
             "the tests never vary them; observed: only the dims the tests vary", where="ini", default="roles"),
+    Setting("export_static", "input:axis kept static in every model that takes that input, one per line (an "
+            "image's sides the tests never vary: pixel_values:2, pixel_values:3)", where="ini", kind="list",
+            default=[]),
     Setting("export_patches", "dotted paths to context-manager factories entered around export and "
             "verification, one per line", where="ini", kind="list", default=[]),
 )
@@ -160,6 +163,7 @@ class Options:
                 patches=_lines(read(config, "export_patches")),
                 hypothesis_seed=_hypothesis_seed(config),
                 dims=_choice(read(config, "export_dims") or "roles", "export_dims", DIM_MODES),
+                static=_axes(read(config, "export_static"), "export_static"),
                 timeout=_timeout(read(config, "export_timeout")),
                 every_graph=read(config, "export_every_graph"),
             ),
@@ -183,6 +187,16 @@ def _path(config: pytest.Config, key: str) -> Path | None:
 
 def _lines(values: list[str]) -> tuple[str, ...]:
     return tuple(v.strip() for v in values if v.strip())
+
+
+def _axes(values: list[str], name: str) -> tuple[str, ...]:
+    """Axes named ``input:axis`` (``pixel_values:2``), one per line."""
+    axes = _lines(values)
+    for axis in axes:
+        given, _, dim = axis.rpartition(":")
+        if not given or not dim.isdigit():
+            raise pytest.UsageError(f"{name}: expected input:axis (pixel_values:2), got {axis!r}")
+    return axes
 
 
 def _int(value: str, name: str) -> int:

@@ -75,14 +75,23 @@ def _named_axes(aligned: AlignedCalls, keys: frozenset[str]) -> set[Axis]:
     axes: set[Axis] = set()
     for key in keys:
         name, _, dim = key.rpartition(":")
-        leaves = [
-            leaf for leaf, leaf_name in enumerate(aligned.leaf_names)
-            if name in (leaf_name, aligned.leaf_slot(leaf).name)
-        ]
+        leaves = _leaves_named(aligned, name)
         if not leaves or not dim.isdigit():
             raise ValueError(f"dims {key!r}: expected 'input:axis' with an input among {aligned.leaf_names}")
         axes.update((leaf, int(dim)) for leaf in leaves)
     return axes
+
+
+def taken(aligned: AlignedCalls, keys: Collection[str]) -> frozenset[str]:
+    """The axes among ``keys`` (``input:axis``) of an input these calls pass (a session-wide
+    setting names inputs some models do not take)."""
+    return frozenset(key for key in keys if _leaves_named(aligned, key.rpartition(":")[0]))
+
+
+def _leaves_named(aligned: AlignedCalls, name: str) -> list[int]:
+    """The leaves of the argument (or the leaf) called ``name``."""
+    return [leaf for leaf, leaf_name in enumerate(aligned.leaf_names)
+            if name in (leaf_name, aligned.leaf_slot(leaf).name)]
 
 
 def forced_batch_axes(aligned: AlignedCalls, selector: bool | Collection[int | str] | None) -> set[Axis]:

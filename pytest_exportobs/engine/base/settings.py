@@ -19,7 +19,9 @@ class CheckSettings:
     ExecuTorch program and runs ExecuTorch's runtime (each target a result of its own), ``torch``
     stops after torch.export;
     ``dims`` ``roles`` makes dynamic the dims whose role demands it (batch, sequence, cache and
-    encoder lengths) besides the ones the tests vary, ``observed`` only the latter;
+    encoder lengths) besides the ones the tests vary, ``observed`` only the latter; ``static``
+    names axes (``input:axis``) kept static in every model that takes that input (a marker's
+    ``static=`` adds to them);
     ``patches`` are dotted paths to context-manager factories entered around export and
     verification; ``use_cache`` reads and writes the export cache under ``export_dir`` (under
     ``cache_root`` when given: checks made during the tests write their files elsewhere);
@@ -37,6 +39,7 @@ class CheckSettings:
     hypothesis_seed: int | None = None
     use_cache: bool = True
     dims: str = "roles"
+    static: tuple[str, ...] = ()
     timeout: float | None = None
     cache_root: Path | None = None
     every_graph: bool = False
