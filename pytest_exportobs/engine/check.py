@@ -208,7 +208,8 @@ class _ModelCheck:
             policy = DimPolicy(
                 roles=(options.dims or self.settings.dims) == "roles",
                 dynamic=frozenset(options.dynamic),
-                static=frozenset(options.static) | taken(aligned, self.settings.static),
+                # the session's pins, but the axes the model's own marker declares dynamic
+                static=frozenset(options.static) | (taken(aligned, self.settings.static) - frozenset(options.dynamic)),
                 channels=declared_channels(self.group.module),
             )
             joint = ShapeModel.from_aligned(aligned, options.set_batch_dimension_for, options.dim_names, policy)

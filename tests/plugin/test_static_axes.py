@@ -1,5 +1,6 @@
-"""``export_static``: axes kept static in every model that takes the input they name, in real
-sessions (serial and xdist), against the same session without the setting."""
+"""``export_static``: axes kept static in every model that takes the input they name (but those a
+model's own ``dynamic=`` names), in real sessions (serial and xdist), against the same session
+without the setting."""
 
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ def test_tag():
     model = Tagger().eval()
     for length in (5, 7):
         assert model(torch.randn(2, length, 4)).shape == (2, length, 2)
+
+def test_any_side(export_observer):
+    model = export_observer.watch(Classifier().eval(), name="any-side", dynamic=("x:2", "x:3"))
+    for batch in (2, 3):
+        assert model(torch.randn(batch, 3, 8, 8)).shape == (batch, 4)
 '''
 
 OBSERVE = ("--export-observe", "torch.nn.Module", "--export-report=report.json", "--junitxml=junit.xml")
@@ -80,13 +86,14 @@ def test_the_named_axes_stay_static_in_the_models_taking_that_input_and_no_other
     result = project.runpytest_subprocess(*QUICK_CHECK, *OBSERVE, *workers)
     assert result.ret == pytest.ExitCode.OK
     assert junit_cases(project.path / "junit.xml") == {
-        "test_suite::test_classify": "passed", "test_suite::test_tag": "passed",
-        "exportobs::Classifier": "passed", "exportobs::Tagger": "passed",
+        "test_suite::test_classify": "passed", "test_suite::test_tag": "passed", "test_suite::test_any_side": "passed",
+        "exportobs::Classifier": "passed", "exportobs::Tagger": "passed", "exportobs::any-side": "passed",
     }
     pinned = dims_of(project)
     assert pinned["Classifier"] == [{"x": {"0": "batch"}}]  # the batch the tests vary stays dynamic
     assert pinned["Tagger"] == guessed["Tagger"]  # takes no x: as without the setting
     assert pinned["Tagger"][0]["states"]["1"]  # its length is dynamic
+    assert pinned["any-side"] == guessed["any-side"] == guessed["Classifier"]  # its own dynamic= wins
 
 
 def test_an_axis_not_named_input_colon_axis_is_a_usage_error(project: pytest.Pytester) -> None:

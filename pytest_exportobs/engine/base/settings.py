@@ -21,7 +21,7 @@ class CheckSettings:
     ``dims`` ``roles`` makes dynamic the dims whose role demands it (batch, sequence, cache and
     encoder lengths) besides the ones the tests vary, ``observed`` only the latter; ``static``
     names axes (``input:axis``) kept static in every model that takes that input (a marker's
-    ``static=`` adds to them);
+    ``static=`` adds to them, its ``dynamic=`` takes them back for its model);
     ``patches`` are dotted paths to context-manager factories entered around export and
     verification; ``use_cache`` reads and writes the export cache under ``export_dir`` (under
     ``cache_root`` when given: checks made during the tests write their files elsewhere);
